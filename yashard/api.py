@@ -1,0 +1,117 @@
+"""Public entry point: :func:`shard` and the :class:`ShardedModel` it returns."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .collectives import Comm
+from .config import ShardConfig
+from .memory import MemoryPlan
+from .patch.spec import resolve_spec
+from .runtime import Runtime
+
+logger = logging.getLogger("yashard")
+
+
+def _pick_device(config: ShardConfig, comm: Comm) -> torch.device:
+    if config.device is not None:
+        return config.device
+    if "nccl" in comm.backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class ShardedModel(nn.Module):
+    """A HuggingFace causal LM whose parameters are sharded across the process group.
+
+    Call it exactly like the HF model; it returns the HF output object. ``parameters()`` yields
+    only the fp32 master shards (one flat shard per unit: the embedding, each decoder layer, the
+    lm_head, and the group of all 1-D parameters), which any ``torch.optim`` optimizer can train.
+    Gradients follow standard PyTorch semantics: they accumulate across ``backward()`` calls in
+    fp32 until the optimizer's ``zero_grad`` (``set_to_none=True`` included).
+    """
+
+    def __init__(self, module: nn.Module, runtime: Runtime):
+        super().__init__()
+        self.module = module
+        self.shards = nn.ParameterDict({u.name: u.master for u in runtime.units})
+        object.__setattr__(self, "_runtime", runtime)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["module"], name)
+
+    @property
+    def runtime(self) -> Runtime:
+        return self._runtime
+
+    def param_groups(self, weight_decay: float) -> list[dict]:
+        """Optimizer param groups: decay for matrices, no decay for norm weights and biases.
+
+        The no-decay group is exactly the norm group (every 1-D parameter of the model).
+        """
+        rt = self._runtime
+        decay = [u.master for u in rt.units if u is not rt.small]
+        groups = [{"params": decay, "weight_decay": float(weight_decay)}]
+        if rt.small is not None:
+            groups.append({"params": [rt.small.master], "weight_decay": 0.0})
+        return groups
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients of all shards by their global norm; returns the norm before clipping."""
+        return self._runtime.clip_grad_norm_(max_norm, norm_type)
+
+    def memory_plan(self) -> MemoryPlan:
+        """Bytes this rank holds, per buffer, with the formula (fixed from ``shard()`` on)."""
+        return self._runtime.memory_plan()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full fp32 weights by HF name (tied names share one tensor). Collective: call on every rank."""
+        return self._runtime.gather_full("params")
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """Full fp32 gradients by HF name (zeros where none). Collective: call on every rank."""
+        return self._runtime.gather_full("grads")
+
+    def collective_log(self):
+        """The :class:`~yashard.collectives.CollectiveLog` of this rank (set ``.enabled = True`` to record)."""
+        return self._runtime.comm.log
+
+
+def shard(model: nn.Module, *, config: ShardConfig | None = None, process_group=None) -> ShardedModel:
+    """Shard every parameter of a HuggingFace decoder model across ``process_group``.
+
+    Every rank must call this with the same architecture. With ``config.sync_module_states`` (the
+    default) rank 0's weights are broadcast first. The original ``nn.Parameter`` objects are removed
+    from ``model``: build the optimizer from the returned model (``param_groups`` or
+    ``parameters()``) afterwards. The memory plan is logged at INFO level on rank 0.
+    """
+    if isinstance(model, ShardedModel):
+        raise ValueError("model is already sharded by yashard; call yashard.shard once per model")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"yashard.shard expects an nn.Module, got {type(model).__name__}")
+    if config is None:
+        config = ShardConfig()
+    elif not isinstance(config, ShardConfig):
+        raise TypeError(f"config must be a yashard.ShardConfig, got {type(config).__name__}")
+    comm = Comm(process_group)
+    spec = resolve_spec(model)
+    device = _pick_device(config, comm)
+    if device.type == "cuda" and "nccl" not in comm.backend:
+        raise ValueError(f"device {device} needs an NCCL process group, but the group's backend is {comm.backend}")
+    if device.type == "cpu" and "gloo" not in comm.backend:
+        raise ValueError(f"the CPU device needs a gloo process group, but the group's backend is {comm.backend}")
+    runtime = Runtime(model, spec, config, comm, device)
+    wrapped = ShardedModel(model, runtime)
+    if comm.rank == 0:
+        logger.info("%s", runtime.memory_plan())
+    return wrapped

@@ -1,0 +1,48 @@
+"""Preallocated buffer slots: the only memory gathered weights and unreduced gradients ever use.
+
+A :class:`Slot` is a weight buffer (``param_dtype``), a gradient buffer (``reduce_dtype``) and a
+reduce-scatter output chunk, allocated once at :func:`yashard.shard` time and reused for the whole
+run. Units take turns owning a slot:
+
+* slots 0 and 1 alternate between even and odd decoder layers (sized by the largest layer);
+* the *outer* slot is shared by the embedding and the lm_head (they never need their weights at the
+  same time), so a large vocabulary never inflates the layer slots;
+* the *small* slot holds the group of all 1-D parameters, resident for the whole step.
+
+A slot remembers its current weight owner, the event that releases it, and the reduction that is
+still reading its gradient buffer; :mod:`yashard.runtime` enforces the ordering rules of
+:mod:`yashard.events` through these fields.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class Slot:
+    """One weight buffer + one gradient buffer + one reduce-scatter output, owned in turn."""
+
+    def __init__(self, name: str, numel: int, world: int, param_dtype, grad_dtype, device):
+        if numel % world:
+            raise ValueError(f"slot {name}: size {numel} is not a multiple of world size {world}")
+        self.name = name
+        self.numel = numel
+        self.weights = torch.empty(numel, dtype=param_dtype, device=device)
+        self.grads = torch.zeros(numel, dtype=grad_dtype, device=device)
+        self.reduced = torch.empty(numel // world, dtype=grad_dtype, device=device)
+        # Aliases with their own autograd version counters: collectives write through these, so
+        # refilling a buffer never trips autograd's "modified by an inplace operation" check on the
+        # parameter views saved for backward (the refill is ordered by events, not by autograd).
+        self.weights_io = self.weights.data
+        # Ownership state.
+        self.owner = None            # unit whose weights are (being) gathered here
+        self.release = None          # event: compute finished reading the owner's weights
+        self.grad_owner = None       # unit whose gradients are (being) written here
+        self.grad_busy = None        # Pending reduction still reading the gradient buffer
+        self.zeroed_signature = None  # layout whose non-parameter ranges are known to be zero
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"weights": self.weights, "grads": self.grads, "reduced": self.reduced}
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())

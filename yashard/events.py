@@ -1,0 +1,110 @@
+"""Streams and events: how compute and communication are sequenced.
+
+There are two streams per device: the *compute* stream (whatever stream is current when the forward
+starts) and one *communication* stream that yashard owns. Every collective is issued from the
+communication stream; compute only ever waits on events, never on the host.
+
+Rules (each one is enforced at exactly one place in ``runtime.py``):
+
+  R1 gather-after-release   A weight slot is gathered into only after the compute stream recorded
+                            the release of the slot's previous owner.
+  R2 compute-after-gather   A unit computes only after its gather landed (compute waits ``gathered``).
+  R3 reduce-after-grads     A unit's reduce-scatter starts only after compute recorded that the
+                            unit's gradients are complete (its GateGradFlow backward).
+  R4 write-after-reduce     A gradient slot is written by a new owner only after the previous
+                            owner's reduce-scatter (and its fp32 accumulation) finished.
+  R5 gather-before-reduce   Gathers are issued one unit ahead (explicit prefetch), so the gather the
+                            compute stream needs next is always already queued before any
+                            reduce-scatter that is issued while it waits.
+
+Forward, layers i-1, i, i+1 (slots alternate A/B by layer parity)::
+
+    compute : ..[ fwd i-1 (A) ]rel(i-1)  wait(ag i)[ fwd i (B) ]rel(i)  wait(ag i+1)[ fwd i+1 (A) ]
+                                  |                   ^                     |               ^
+                                  v (R1)              | (R2)                v (R1)          | (R2)
+    comm    : ...[ AG i (B) ]---ag(i)  wait(rel i-1)[ AG i+1 (A) ]----ag(i+1)  wait(rel i)[ AG i+2 (B) ]
+              (AG i+1 is issued from layer i's pre-forward, so it overlaps fwd i)
+
+Backward, layer i (the last two layers are still resident from the forward)::
+
+    compute : wait(ag i)[ bwd i: Narrow writes grads -> grad slot ]gate(i): rel(i), ready(i)  wait(ag i-1)[ bwd i-1 ...
+                                                                     |         |
+                                                                     v (R1)    v (R3)
+    comm    : [ AG i-1 into slot of i+1 ]  ...   wait(ready i)[ RS i ][ acc i: master.grad += chunk / W ]red(i)
+                                                                                                   |
+    compute (layer i-2, first gradient write into the same grad slot) : wait(red i) (R4) ----------+
+
+On CPU, ``torch.cpu`` streams and events are no-ops and kernels run in program order on the host,
+so R1-R4 hold by construction; gloo collectives run on gloo's worker threads and the host waits on
+their work handles only when a result is needed (:meth:`Pending.wait`). One code path serves both.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+class Streams:
+    """The compute/communication stream pair of one device."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.mod = torch.get_device_module(device)
+        # On CPU, collectives complete on gloo's threads; finishing them eagerly would block the
+        # host at issue time and kill the overlap, so CPU finishes lazily (at first use).
+        self.eager_finish = device.type != "cpu"
+        if device.type == "cuda":
+            self.comm = torch.cuda.Stream(device=device, priority=-1)
+        else:
+            self.comm = self.mod.Stream()
+        self.compute = self.mod.current_stream()
+
+    def capture_compute(self) -> None:
+        """Take the current stream as the compute stream (called at every forward start)."""
+        self.compute = self.mod.current_stream()
+
+    def record(self, stream) -> object:
+        """Record an event on ``stream`` and return it."""
+        ev = self.mod.Event()
+        ev.record(stream)
+        return ev
+
+    def comm_context(self):
+        return self.mod.stream(self.comm)
+
+
+class Pending:
+    """One collective in flight, plus the follow-up work to run on the comm stream once it lands.
+
+    Contract: :meth:`wait` makes the current (compute) stream wait until the collective and its
+    ``on_done`` have finished; it is idempotent, and ``on_done`` runs exactly once. On devices with
+    real streams the follow-up is enqueued right away (the host never blocks); on CPU it runs at the
+    first :meth:`wait` (the host blocks there, and only there).
+    """
+
+    __slots__ = ("_work", "_on_done", "_streams", "_event", "done")
+
+    def __init__(self, streams: Streams, work, on_done: Callable[[], None] | None = None):
+        self._streams = streams
+        self._work = work
+        self._on_done = on_done
+        self._event = None
+        self.done = False
+        if streams.eager_finish:
+            self._finish()
+
+    def _finish(self) -> None:
+        with self._streams.comm_context():
+            self._work.wait()
+            if self._on_done is not None:
+                self._on_done()
+            self._event = self._streams.record(self._streams.comm)
+        self.done = True
+        self._work = self._on_done = None
+
+    def wait(self) -> None:
+        if not self.done:
+            self._finish()
+        self._streams.compute.wait_event(self._event)

@@ -1,0 +1,49 @@
+"""Identity autograd Functions that give the runtime reliable backward hook points."""
+
+from __future__ import annotations
+
+import torch
+
+
+class GateGradFlow(torch.autograd.Function):
+    """Identity on ``(token, *inputs)`` whose backward calls ``unit.on_grads_complete()``.
+
+    Contract: the runtime applies it to a unit's gate token and to every differentiable input of the
+    unit (positional or keyword) before the unit runs. Every ``Narrow`` view of the unit is built
+    from the returned token, and the unit computes on the returned inputs. Autograd therefore runs
+    this backward
+      * after every ``Narrow.backward`` of the unit (all weight gradients are in the grad slot), and
+      * before any gradient reaches the ops that produced the unit's inputs (the previous layer).
+    That is the moment the unit's gradients are complete, independent of the engine's scheduling
+    order. Gradients pass through unchanged. Outputs are views of the inputs, so the unit must not
+    modify its inputs in place (PyTorch raises if it does).
+    """
+
+    @staticmethod
+    def forward(ctx, unit, token, *inputs):  # noqa: D102
+        ctx.unit = unit
+        return (token, *inputs)
+
+    @staticmethod
+    def backward(ctx, *grads):  # noqa: D102
+        ctx.unit.on_grads_complete()
+        return (None, *grads)
+
+
+class BackwardEntry(torch.autograd.Function):
+    """Identity on a unit's outputs whose backward calls ``unit.on_backward_start()``.
+
+    Contract: applied to every differentiable output of a unit after its forward. Its backward runs
+    once, when the gradients of all those outputs are ready and before any backward op of the unit,
+    so the runtime can re-gather the unit's weights (and prefetch the next unit) in time.
+    """
+
+    @staticmethod
+    def forward(ctx, unit, *outputs):  # noqa: D102
+        ctx.unit = unit
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grads):  # noqa: D102
+        ctx.unit.on_backward_start()
+        return (None, *grads)

@@ -1,0 +1,184 @@
+"""Pure layout math: where every parameter lives in a flat unit, and which slice each rank owns.
+
+Nothing here touches torch.distributed or allocates device memory; everything is integers and
+tuples so it can be unit-tested in microseconds.
+
+A *unit* is a set of parameters that is gathered and reduced together (one decoder layer, the
+embedding, the lm_head, or the group of all 1-D parameters). Its parameters are laid out back to
+back in a flat vector, in a fixed order::
+
+    | p0 ........ | p1 .... | p2 ................ | pad |
+    0             o1        o2                    total  padded = shard_numel * world
+
+The flat vector is cut into ``world`` equal shards; rank ``r`` owns
+``[r * shard_numel, (r + 1) * shard_numel)``. Shard boundaries may cut through a parameter, so each
+rank's shard holds pieces of several parameters; :func:`shard_pieces` lists them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+
+def ceil_div(a: int, b: int) -> int:
+    """Smallest integer >= a / b for non-negative a and positive b."""
+    if b <= 0:
+        raise ValueError(f"ceil_div needs a positive divisor, got {b}")
+    return -(-a // b)
+
+
+def round_up(n: int, multiple: int) -> int:
+    """Smallest multiple of ``multiple`` that is >= n."""
+    return ceil_div(n, multiple) * multiple
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One parameter inside a flat unit."""
+
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.numel
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The part of one entry that falls inside one rank's shard.
+
+    ``entry_start``/``entry_end`` index the entry's flattened elements; ``shard_start`` is where
+    that part starts inside the rank's shard.
+    """
+
+    entry: int
+    entry_start: int
+    entry_end: int
+    shard_start: int
+
+    @property
+    def numel(self) -> int:
+        return self.entry_end - self.entry_start
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """Layout of one unit sharded over ``world`` ranks.
+
+    Attributes:
+        entries: parameters in flat order, each with its offset.
+        total: number of parameter elements (sum of entry sizes).
+        shard_numel: elements per rank; ``shard_numel * world >= total``.
+        world: number of ranks the unit is sharded over.
+    """
+
+    entries: tuple[Entry, ...]
+    total: int
+    shard_numel: int
+    world: int
+
+    @property
+    def padded(self) -> int:
+        """Size of the gathered flat vector, padding included."""
+        return self.shard_numel * self.world
+
+    @property
+    def padding(self) -> int:
+        return self.padded - self.total
+
+    @property
+    def signature(self) -> tuple:
+        """Hashable description of which flat ranges hold parameters (used to skip re-zeroing)."""
+        return (tuple((e.offset, e.numel) for e in self.entries), self.padded)
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        """Half-open flat range ``[start, end)`` owned by ``rank``."""
+        if not 0 <= rank < self.world:
+            raise ValueError(f"rank {rank} is outside world size {self.world}")
+        start = rank * self.shard_numel
+        return start, start + self.shard_numel
+
+    def gaps(self) -> list[tuple[int, int]]:
+        """Flat ranges that belong to no parameter (alignment gaps and tail padding)."""
+        out: list[tuple[int, int]] = []
+        cursor = 0
+        for e in self.entries:
+            if e.offset > cursor:
+                out.append((cursor, e.offset))
+            cursor = max(cursor, e.end)
+        if self.padded > cursor:
+            out.append((cursor, self.padded))
+        return out
+
+
+def build_layout(
+    named_shapes: Sequence[tuple[str, Sequence[int]]],
+    world: int,
+    *,
+    param_align: int = 1,
+    shard_align: int = 1,
+) -> FlatLayout:
+    """Lay parameters out back to back and split the result into ``world`` equal shards.
+
+    Args:
+        named_shapes: ``(name, shape)`` in flat order.
+        world: number of ranks.
+        param_align: every parameter starts at a multiple of this many elements.
+        shard_align: every shard's length is a multiple of this many elements.
+    """
+    if world < 1:
+        raise ValueError(f"world size must be >= 1, got {world}")
+    if param_align < 1 or shard_align < 1:
+        raise ValueError(f"alignments must be >= 1, got param_align={param_align}, shard_align={shard_align}")
+    if not named_shapes:
+        raise ValueError("a unit needs at least one parameter")
+    entries = []
+    cursor = 0
+    seen: set[str] = set()
+    for name, shape in named_shapes:
+        if name in seen:
+            raise ValueError(f"parameter {name!r} appears twice in one unit")
+        seen.add(name)
+        shape = tuple(int(s) for s in shape)
+        if any(s < 0 for s in shape):
+            raise ValueError(f"parameter {name!r} has a negative dimension: {shape}")
+        cursor = round_up(cursor, param_align)
+        entries.append(Entry(name, shape, cursor))
+        cursor += math.prod(shape)
+    total = cursor
+    shard_numel = round_up(max(ceil_div(total, world), 1), shard_align)
+    return FlatLayout(tuple(entries), total, shard_numel, world)
+
+
+def shard_pieces(layout: FlatLayout, rank: int) -> list[Piece]:
+    """The pieces of every entry that lie inside ``rank``'s shard, in flat order."""
+    start, end = layout.shard_range(rank)
+    pieces = []
+    for i, e in enumerate(layout.entries):
+        lo, hi = max(e.offset, start), min(e.end, end)
+        if lo < hi:
+            pieces.append(Piece(i, lo - e.offset, hi - e.offset, lo - start))
+    return pieces
+
+
+def uncovered_ranges(layout: FlatLayout, written: Sequence[bool]) -> list[tuple[int, int]]:
+    """Flat ranges of entries whose flag in ``written`` is False, merged where adjacent."""
+    if len(written) != len(layout.entries):
+        raise ValueError(f"{len(written)} flags for {len(layout.entries)} entries")
+    out: list[tuple[int, int]] = []
+    for e, w in zip(layout.entries, written):
+        if w or e.numel == 0:
+            continue
+        if out and out[-1][1] == e.offset:
+            out[-1] = (out[-1][0], e.end)
+        else:
+            out.append((e.offset, e.end))
+    return out

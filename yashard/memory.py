@@ -1,0 +1,70 @@
+"""The memory plan: every byte the runtime holds, with the formula, known before step one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .runtime import Runtime
+
+
+def _nbytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class MemoryRow:
+    name: str
+    numel: int
+    bytes: int
+    formula: str
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes held per rank by yashard, by buffer; ``total_bytes`` is everything yashard allocates.
+
+    Optimizer state is held by the optimizer, not by yashard; ``adamw_bytes`` states what
+    ``torch.optim.AdamW`` will add (two fp32 moments per master element).
+    """
+
+    rows: tuple[MemoryRow, ...]
+    world: int
+    adamw_bytes: int
+    formula: str = field(default="")
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(r.bytes for r in self.rows)
+
+    def __str__(self) -> str:
+        w = max(len(r.name) for r in self.rows)
+        lines = [f"yashard memory plan (per rank, world size {self.world})"]
+        lines += [f"  {r.name:<{w}}  {r.bytes / 2**20:10.3f} MiB  {r.formula}" for r in self.rows]
+        lines.append(f"  {'total':<{w}}  {self.total_bytes / 2**20:10.3f} MiB  {self.formula}")
+        lines.append(f"  (+ AdamW state {self.adamw_bytes / 2**20:.3f} MiB, held by the optimizer)")
+        return "\n".join(lines)
+
+
+def plan_memory(rt: "Runtime") -> MemoryPlan:
+    """Derive the plan from the layouts and dtypes alone (no tensor is inspected)."""
+    cfg = rt.config
+    w = rt.world
+    p, g = _nbytes(cfg.param_dtype), _nbytes(cfg.wire_dtype)
+    rows = []
+    for slot in rt.slots.values():
+        s = slot.numel
+        rows.append(MemoryRow(f"slot {slot.name}", s, s * (p + g) + (s // w) * g,
+                              f"S={s}: S*({p}+{g}) weights+grads + S/W*{g} reduce-scatter out"))
+    n = sum(u.layout.shard_numel for u in rt.units)
+    rows.append(MemoryRow("fp32 master shards", n, 4 * n, f"N/W={n} * 4"))
+    rows.append(MemoryRow("fp32 grad shards", n, 4 * n, f"N/W={n} * 4"))
+    if cfg.param_dtype != torch.float32:
+        rows.append(MemoryRow(f"{cfg.param_dtype} gather sources", n, p * n, f"N/W={n} * {p}"))
+    formula = (
+        f"sum over slots S*({p}+{g}+{g}/W) + N/W*(8{'+' + str(p) if cfg.param_dtype != torch.float32 else ''})"
+    )
+    return MemoryPlan(tuple(rows), w, adamw_bytes=8 * n, formula=formula)

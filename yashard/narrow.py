@@ -1,0 +1,34 @@
+"""``Narrow``: parameters as views into a weight slot, gradients written straight into a grad slot."""
+
+from __future__ import annotations
+
+import torch
+
+
+class Narrow(torch.autograd.Function):
+    """Expose one parameter of a unit as a view of the unit's weight slot.
+
+    Contract:
+      * forward returns ``weights[offset:offset + numel].view(shape)``: no copy, no allocation. The
+        view reads whatever the slot holds when a kernel runs, so the runtime must have gathered the
+        unit into the slot first (events rule R2), in forward and again in backward.
+      * ``token`` is the unit's gate token (see :class:`yashard.gate_grad_flow.GateGradFlow`): the
+        view depends on it, so the gate's backward can only run after every ``Narrow.backward`` of
+        the unit has run.
+      * backward hands the incoming gradient to ``unit.write_grad(index, grad)``, which copies it
+        into the unit's gradient slot (upcasting to ``reduce_dtype``); autograd never allocates a
+        ``.grad`` for the parameter. It returns no gradient for any input.
+    """
+
+    @staticmethod
+    def forward(ctx, token, weights, unit, index):  # noqa: D102
+        ctx.unit = unit
+        ctx.index = index
+        entry = unit.layout.entries[index]
+        return weights.narrow(0, entry.offset, entry.numel).view(entry.shape)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        if grad is not None:
+            ctx.unit.write_grad(ctx.index, grad)
+        return None, None, None, None

@@ -1,0 +1,48 @@
+"""The group of all small 1-D parameters (norm weights, biases, q/k norms).
+
+Gathering a few kilobytes per layer would make every layer pay a latency-bound collective, so all
+1-D parameters of the whole model form one unit with its own slot:
+
+* gathered once per forward, at the forward's start, and resident for that forward and its backward;
+* its views are plain ``Narrow`` views from a leaf token (no gate: nothing waits for it mid-pass);
+* its gradients accumulate in its own grad slot over the whole backward and are reduced once, at the
+  end of the backward (the autograd engine's final callback), SUM then post-divide like every unit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .unit import Unit
+
+
+def is_small_param(p: torch.Tensor) -> bool:
+    """Parameters that belong to the norm group: every parameter with fewer than two dimensions."""
+    return p.dim() < 2
+
+
+class NormGroup:
+    """Schedules the small-parameter unit: one gather per forward, one reduction per backward."""
+
+    def __init__(self, unit: Unit):
+        self.unit = unit
+        self._ready = False
+
+    def begin_forward(self, grad_enabled: bool) -> None:
+        """Issue the gather and install the views (data lands before the first unit computes)."""
+        rt = self.unit.rt
+        rt.gather(self.unit)
+        self._ready = False
+        self.unit.install_views(self.unit.token if grad_enabled else None)
+
+    def ensure_ready(self) -> None:
+        """Make the compute stream wait for the gather, once per forward."""
+        if not self._ready:
+            self.unit.gathered.wait()
+            self._ready = True
+
+    def end_backward(self) -> None:
+        """Reduce the group's gradients; every backward of a grad-enabled forward reduces once,
+        on every rank, so the collective sequence never depends on which parameters got gradients."""
+        if self.unit.fwd_id == self.unit.rt.grad_fwd_id and not self.unit.reduced_in_pass:
+            self.unit.rt.on_unit_grads_complete(self.unit)

@@ -1,0 +1,516 @@
+"""The runtime: builds units and slots from a model spec, installs the hooks, runs the schedule.
+
+Data flows one way: ``ShardConfig`` + ``ModelSpec`` -> per-unit ``FlatLayout`` -> ``Slot`` buffers
+-> hooks on the HF modules -> collectives. The stream/event rules R1-R5 referenced below are
+stated in :mod:`yashard.events`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+
+import torch
+import torch.utils.checkpoint
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .buffers import Slot
+from .collectives import Comm
+from .config import ShardConfig
+from .events import Pending, Streams
+from .gate_grad_flow import BackwardEntry, GateGradFlow
+from .layout import build_layout
+from .memory import MemoryPlan, plan_memory
+from .norm_group import NormGroup, is_small_param
+from .patch.spec import ModelSpec, get_path
+from .unit import Unit
+
+logger = logging.getLogger("yashard")
+
+
+class OrderError(RuntimeError):
+    """A unit ran out of the order the fixed buffers require."""
+
+
+def _is_diff_tensor(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.requires_grad and (x.is_floating_point() or x.is_complex())
+
+
+class Runtime:
+    """Owns units, slots, streams and hooks for one sharded model."""
+
+    def __init__(self, model: nn.Module, spec: ModelSpec, config: ShardConfig, comm: Comm, device: torch.device):
+        self.model = model
+        self.spec = spec
+        self.config = config
+        self.comm = comm
+        self.device = device
+        self.world = comm.world
+        self.streams = Streams(device)
+        self.grad_fwd_id = 0        # id of the latest grad-enabled forward
+        self.in_backward = False
+        self.pending: list[Pending] = []
+        self._fwd_cursor = 0
+        self._bwd_last_layer: int | None = None
+        self._hooks = []
+
+        groups = self._partition(model, spec)
+        self._build_units(groups)
+        self._install_hooks(spec)
+
+    # ------------------------------------------------------------------ construction
+    def _partition(self, model: nn.Module, spec: ModelSpec):
+        """Assign every parameter to exactly one unit; returns ``{unit_key: [(param, locs, fqns)]}``."""
+        layers = get_path(model, spec.layers)
+        owners: list[tuple[str, nn.Module]] = [("embed", get_path(model, spec.embed))]
+        owners += [(f"layer_{i}", layer) for i, layer in enumerate(layers)]
+        owners.append(("lm_head", get_path(model, spec.lm_head)))
+
+        # Every (module, attr) location of every parameter, tied parameters seen under all names.
+        locations: dict[int, tuple[nn.Parameter, list, list]] = {}
+        for mod_name, module in model.named_modules(remove_duplicate=False):
+            for attr, p in module._parameters.items():
+                if p is None:
+                    continue
+                fqn = f"{mod_name}.{attr}" if mod_name else attr
+                rec = locations.setdefault(id(p), (p, [], []))
+                if (module, attr) not in [(m, a) for m, a in rec[1]]:
+                    rec[1].append((module, attr))
+                if fqn not in rec[2]:
+                    rec[2].append(fqn)
+        for p, _, fqns in locations.values():
+            if p.is_meta:
+                raise ValueError(
+                    f"parameter {fqns[0]} is on the meta device; yashard.shard needs materialised weights "
+                    "(build the model on CPU, or load it with from_pretrained) in this version"
+                )
+            if not p.is_floating_point():
+                raise ValueError(f"parameter {fqns[0]} has dtype {p.dtype}; yashard shards floating-point parameters only")
+            if not p.requires_grad:
+                raise ValueError(
+                    f"parameter {fqns[0]} has requires_grad=False; frozen parameters are not supported yet: "
+                    "unfreeze it (p.requires_grad_(True)) or remove it from the model before yashard.shard"
+                )
+
+        owner_of_module = {}
+        for key, root in owners:
+            for m in root.modules():
+                owner_of_module.setdefault(id(m), key)
+        groups: dict[str, list] = {key: [] for key, _ in owners}
+        groups["small"] = []
+        for p, locs, fqns in locations.values():
+            if is_small_param(p):
+                groups["small"].append((p, locs, fqns))
+                continue
+            keys = {owner_of_module.get(id(m)) for m, _ in locs}
+            keys.discard(None)
+            if not keys:
+                raise ValueError(
+                    f"parameter {fqns[0]} (shape {tuple(p.shape)}) is outside the decoder layers "
+                    f"('{spec.layers}'), the embedding ('{spec.embed}') and the lm_head ('{spec.lm_head}'); "
+                    "yashard cannot shard it. Move it into one of those modules or add a ModelSpec."
+                )
+            if keys == {"embed", "lm_head"}:      # tied input/output embedding: one unit, two names
+                groups["embed"].append((p, locs, fqns))
+            elif len(keys) > 1:
+                raise ValueError(
+                    f"parameter {fqns[0]} is shared between {sorted(keys)}; yashard supports sharing only "
+                    "between the embedding and the lm_head (tied embeddings)"
+                )
+            else:
+                groups[keys.pop()].append((p, locs, fqns))
+        return {k: v for k, v in groups.items() if v}
+
+    def _build_units(self, groups) -> None:
+        cfg = self.config
+        w = self.world
+        layouts = {
+            key: build_layout([(fqns[0], p.shape) for p, _, fqns in members], w, shard_align=cfg.shard_align)
+            for key, members in groups.items()
+        }
+        layer_keys = [k for k in groups if k.startswith("layer_")]
+        outer_keys = [k for k in ("embed", "lm_head") if k in groups]
+        slot_sizes = {
+            "layer_even": max((layouts[k].padded for k in layer_keys[0::2]), default=0),
+            "layer_odd": max((layouts[k].padded for k in layer_keys[1::2]), default=0),
+            "outer": max((layouts[k].padded for k in outer_keys), default=0),
+            "small": layouts["small"].padded if "small" in layouts else 0,
+        }
+        gdt = cfg.wire_dtype
+        self.slots = {
+            name: Slot(name, numel, w, cfg.param_dtype, gdt, self.device)
+            for name, numel in slot_sizes.items()
+            if numel > 0
+        }
+
+        self.units: list[Unit] = []
+        self.layers: list[Unit] = []
+        self.embed = self.lm_head = self.small = None
+        rank = self.comm.rank
+        for key, members in groups.items():
+            layout = layouts[key]
+            if key.startswith("layer_"):
+                idx = int(key.split("_")[1])
+                kind, slot = "layer", self.slots["layer_even" if idx % 2 == 0 else "layer_odd"]
+            elif key == "small":
+                idx, kind, slot = -1, "small", self.slots["small"]
+            else:
+                idx, kind, slot = -1, "outer", self.slots["outer"]
+            flat = torch.zeros(layout.padded, dtype=torch.float32, device=self.device)
+            for entry, (p, _, _) in zip(layout.entries, members):
+                flat[entry.offset : entry.end].copy_(p.detach().reshape(-1))
+            if cfg.sync_module_states and w > 1:
+                self.comm.broadcast(flat, 0, key)
+            lo, hi = layout.shard_range(rank)
+            master = nn.Parameter(flat[lo:hi].clone())
+            del flat
+            unit = Unit(
+                self, key, kind, idx, layout,
+                locations=[locs for _, locs, _ in members],
+                fqns=[fqns for _, _, fqns in members],
+                slot=slot, master=master,
+            )
+            if cfg.param_dtype != torch.float32:
+                unit.gather_src = torch.empty(master.shape, dtype=cfg.param_dtype, device=self.device)
+            for _, locs, _ in members:         # the HF modules no longer own these parameters
+                for module, attr in locs:
+                    module._parameters.pop(attr, None)
+            self.units.append(unit)
+            if kind == "layer":
+                self.layers.append(unit)
+            elif key == "small":
+                self.small = unit
+            elif key == "embed":
+                self.embed = unit
+            else:
+                self.lm_head = unit
+        self.layers.sort(key=lambda u: u.index)
+        order = ([self.embed] if self.embed else []) + self.layers + ([self.lm_head] if self.lm_head else [])
+        self.units = order + ([self.small] if self.small else [])
+        self.forward_order = order
+        for a, b in zip(order, order[1:] + [None]):
+            a.next_forward = b
+        self.norm_group = NormGroup(self.small) if self.small else None
+        self.model.to(self.device)  # moves the remaining buffers (rotary tables, ...)
+
+    def _install_hooks(self, spec: ModelSpec) -> None:
+        model = self.model
+        self._hooks.append(model.register_forward_pre_hook(self._root_pre_forward))
+        modules = {"embed": get_path(model, spec.embed), "lm_head": get_path(model, spec.lm_head)}
+        layer_modules = get_path(model, spec.layers)
+        ckpt = self.config.checkpoint_layers
+        if ckpt > len(layer_modules):
+            raise ValueError(
+                f"ShardConfig.checkpoint_layers={ckpt} but the model has {len(layer_modules)} decoder layers; "
+                f"use a value between 0 and {len(layer_modules)}"
+            )
+        ckpt_flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else "is_gradient_checkpointing"
+        if getattr(model, ckpt_flag, False):
+            raise ValueError(
+                "the model has HF gradient checkpointing enabled (gradient_checkpointing_enable()); it would "
+                "re-run yashard's layer hooks during backward. Disable it and use "
+                "ShardConfig(checkpoint_layers=N) instead"
+            )
+        for unit in self.forward_order:
+            if unit.kind == "layer":
+                module = layer_modules[unit.index]
+                if unit.index < ckpt:
+                    module.forward = functools.partial(_checkpointed_forward, module.forward)
+            else:
+                module = modules[unit.name]
+            self._hooks.append(module.register_forward_pre_hook(functools.partial(self._pre_forward, unit), with_kwargs=True))
+            self._hooks.append(module.register_forward_hook(functools.partial(self._post_forward, unit)))
+
+    # ------------------------------------------------------------------ gathers (R1, R2)
+    def gather(self, unit: Unit) -> None:
+        """Issue the all-gather of ``unit`` into its slot (R1: after the previous owner's release)."""
+        slot = unit.slot
+        prev = slot.owner
+        if prev is not None and prev is not unit and prev.gathered is not None and not prev.gathered.done:
+            prev.gathered.wait()  # an unused prefetch still writing into the slot (CPU: gloo thread)
+        with self.streams.comm_context():
+            if slot.release is not None:
+                self.streams.comm.wait_event(slot.release)
+            out = slot.weights_io.narrow(0, 0, unit.layout.padded)
+            work = self.comm.all_gather(out, unit.gather_src, unit.name)
+        unit.gathered = Pending(self.streams, work)
+        slot.owner = unit
+
+    def _ensure_gathered(self, unit: Unit) -> None:
+        if unit.slot.owner is not unit or unit.gathered is None:
+            self.gather(unit)
+        unit.gathered.wait()  # R2
+
+    def _prefetch(self, unit: Unit | None) -> None:
+        if unit is not None and (unit.slot.owner is not unit or unit.gathered is None):
+            self.gather(unit)
+
+    # ------------------------------------------------------------------ forward
+    def _root_pre_forward(self, module, args):
+        """Start of a forward: refresh gather sources, gather the norm group and the first unit."""
+        self._drain()
+        self.streams.capture_compute()
+        grad = torch.is_grad_enabled()
+        if grad:
+            self.grad_fwd_id += 1
+        self._fwd_cursor = 0
+        self._bwd_last_layer = None
+        for u in self.units:
+            u.gathered = None      # masters may have changed since the last forward
+            u.reduced_in_pass = False
+            if grad:
+                u.fwd_version = u.master._version
+        if self.config.param_dtype != torch.float32:
+            with torch.no_grad():
+                torch._foreach_copy_([u.gather_src for u in self.units], [u.master for u in self.units])
+        # Gathers of this forward start after everything compute did so far: the casts above, the
+        # optimizer step, and the previous backward's last reads of the resident norm group (R1).
+        self.streams.comm.wait_event(self.streams.record(self.streams.compute))
+        if self.norm_group is not None:
+            if grad:
+                self.small.fwd_id = self.grad_fwd_id
+            self.norm_group.begin_forward(grad)
+        if self.forward_order:
+            self.gather(self.forward_order[0])
+        return None
+
+    def _pre_forward(self, unit: Unit, module, args, kwargs):
+        if unit.kind == "layer":
+            expected = self._fwd_cursor
+            if unit.index != expected:
+                raise OrderError(self._order_message(unit.index, expected))
+            self._fwd_cursor += 1
+        self._ensure_gathered(unit)
+        if self.norm_group is not None:
+            self.norm_group.ensure_ready()
+        self._prefetch(unit.next_forward)
+        if not torch.is_grad_enabled():
+            unit.install_views(None)
+            return None
+        unit.fwd_id = self.grad_fwd_id
+        unit.grad_claimed = False
+        unit.written = [False] * len(unit.layout.entries)
+        flat, spec = tree_flatten((args, kwargs))
+        idx = [i for i, x in enumerate(flat) if _is_diff_tensor(x)]
+        token, *gated = GateGradFlow.apply(unit, unit.token, *[flat[i] for i in idx])
+        for i, g in zip(idx, gated):
+            flat[i] = g
+        unit.install_views(token)
+        return tree_unflatten(flat, spec)
+
+    def _order_message(self, got: int, expected: int) -> str:
+        layers = self.spec.layers
+        if expected >= len(self.layers):
+            return (
+                f"decoder layer {layers}.{got} ran after all {len(self.layers)} layers of this forward already "
+                "ran; yashard's alternating buffers need every layer to run exactly once per forward, in order"
+            )
+        return (
+            f"decoder layer {layers}.{got} ran its forward but {layers}.{expected} was expected next; yashard's "
+            "alternating buffers need every layer to run exactly once per forward, in order "
+            "(a layer was skipped, repeated or called out of order)"
+        )
+
+    def _post_forward(self, unit: Unit, module, args, output):
+        unit.slot.release = self.streams.record(self.streams.compute)  # R1 for the next owner
+        if not torch.is_grad_enabled() or unit is self.embed:
+            return None  # the embedding needs no weights in backward
+        flat, spec = tree_flatten(output)
+        idx = [i for i, x in enumerate(flat) if _is_diff_tensor(x)]
+        if not idx:
+            return None
+        outs = BackwardEntry.apply(unit, *[flat[i] for i in idx])
+        for i, o in zip(idx, outs):
+            flat[i] = o
+        return tree_unflatten(flat, spec)
+
+    # ------------------------------------------------------------------ backward
+    def begin_backward(self) -> None:
+        """First hook of a backward: attach grad storage and queue the end-of-backward callback."""
+        if self.in_backward:
+            return
+        self.in_backward = True
+        fresh = [u for u in self.units if u.master.grad is None]
+        if fresh:
+            torch._foreach_zero_([u.grad_storage for u in fresh])
+            for u in fresh:
+                u.master.grad = u.grad_storage
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def on_unit_backward_start(self, unit: Unit) -> None:
+        self.begin_backward()
+        if unit.fwd_id != self.grad_fwd_id:
+            raise OrderError(
+                f"backward reached {unit.name} of forward #{unit.fwd_id}, but forward #{self.grad_fwd_id} ran "
+                "since; yashard keeps one forward's weights in its buffers: call backward() before the next "
+                "grad-enabled forward"
+            )
+        if unit.master._version != unit.fwd_version:
+            raise RuntimeError(
+                f"the master weights of {unit.name} changed between forward and backward (optimizer.step() "
+                "before backward()?); call backward() first"
+            )
+        if unit.kind == "layer":
+            last = self._bwd_last_layer
+            if last is not None and unit.index >= last:
+                raise OrderError(
+                    f"backward of {self.spec.layers}.{unit.index} started after {self.spec.layers}.{last}; "
+                    "each layer's backward must run once, last layer first"
+                )
+            self._bwd_last_layer = unit.index
+        self._ensure_gathered(unit)
+        nxt = self._next_backward(unit)
+        self._prefetch(nxt)
+
+    def _next_backward(self, unit: Unit) -> Unit | None:
+        """The next unit whose weights the backward needs (layers in reverse; the embedding needs none)."""
+        if unit.kind == "layer":
+            return self.layers[unit.index - 1] if unit.index > 0 else None
+        if unit is self.lm_head and self.layers:
+            return self.layers[-1]
+        return None
+
+    def claim_grad_slot(self, unit: Unit) -> None:
+        """Take ``unit``'s grad slot for this backward (R4: after the previous reduction finished)."""
+        slot = unit.slot
+        if slot.grad_busy is not None:
+            slot.grad_busy.wait()
+            slot.grad_busy = None
+        slot.grad_owner = unit
+        unit.grad_claimed = True
+        unit.written = [False] * len(unit.layout.entries)
+
+    def on_unit_grads_complete(self, unit: Unit) -> None:
+        """All gradients of ``unit`` are in its grad slot: zero the rest and reduce-scatter (R3)."""
+        self.begin_backward()
+        if not unit.grad_claimed:
+            self.claim_grad_slot(unit)
+        unit.zero_unwritten()
+        slot = unit.slot
+        compute = self.streams.compute
+        if unit.kind != "small":
+            slot.release = self.streams.record(compute)  # weights no longer read (R1 for re-gathers)
+        ready = self.streams.record(compute)
+        n = unit.layout.shard_numel
+        out = slot.reduced.narrow(0, 0, n)
+        with self.streams.comm_context():
+            self.streams.comm.wait_event(ready)
+            work = self.comm.reduce_scatter(out, slot.grads.narrow(0, 0, unit.layout.padded), unit.name)
+        scale = 1.0 / self.world
+        master = unit.master
+
+        def accumulate():  # post-divide, in fp32, into the persistent fp32 grad
+            master.grad.add_(out, alpha=scale)
+
+        pending = Pending(self.streams, work, accumulate)
+        slot.grad_busy = pending
+        self.pending.append(pending)
+        unit.grad_claimed = False
+        unit.reduced_in_pass = True
+
+    def _end_backward(self) -> None:
+        """Autograd's final callback: reduce the norm group and anything not yet reduced, then wait."""
+        try:
+            # Units that ran forward with grad but whose gate never fired (their outputs did not reach
+            # the loss) still reduce, in a fixed order, so every rank issues the same collectives.
+            for u in self.forward_order:
+                if u.fwd_id == self.grad_fwd_id and not u.reduced_in_pass:
+                    self.on_unit_grads_complete(u)
+            if self.norm_group is not None:
+                self.norm_group.end_backward()
+            self._drain()
+        finally:
+            self.in_backward = False
+
+    def _drain(self) -> None:
+        """Wait for every collective in flight (compute waits on CUDA; the host waits on CPU)."""
+        for u in self.units:
+            if u.gathered is not None and not u.gathered.done:
+                u.gathered.wait()
+        for p in self.pending:
+            p.wait()
+        self.pending.clear()
+        for slot in self.slots.values():
+            slot.grad_busy = None
+
+    # ------------------------------------------------------------------ user-facing helpers
+    def memory_plan(self) -> MemoryPlan:
+        return plan_memory(self)
+
+    def allocated_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor the runtime holds, by name (what the memory plan accounts for)."""
+        out = {}
+        for slot in self.slots.values():
+            for k, t in slot.tensors().items():
+                out[f"slot.{slot.name}.{k}"] = t
+        for u in self.units:
+            out[f"{u.name}.master"] = u.master
+            out[f"{u.name}.grad"] = u.grad_storage
+            if u.gather_src is not u.master:
+                out[f"{u.name}.gather_src"] = u.gather_src
+        return out
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        norm_type = float(norm_type)
+        grads = [u.master.grad for u in self.units if u.master.grad is not None]
+        if norm_type == math.inf:
+            local = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros((), device=self.device)
+            local = local.float()
+            import torch.distributed as dist
+
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.comm.group)
+            total = local
+        elif norm_type == 2.0:
+            sq = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros((), device=self.device)
+            self.comm.all_reduce_sum(sq, "clip_grad_norm")
+            total = sq.sqrt()
+        else:
+            raise ValueError(f"clip_grad_norm_ supports norm_type=2 or inf, got {norm_type}")
+        coef = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
+        if grads:
+            torch._foreach_mul_(grads, coef)
+        return total
+
+    @torch.no_grad()
+    def gather_full(self, what: str = "params") -> dict[str, torch.Tensor]:
+        """Full fp32 tensors by HF name, gathered from every rank (a collective: call on all ranks)."""
+        out: dict[str, torch.Tensor] = {}
+        for u in self.units:
+            if what == "params":
+                shard = u.master.detach()
+            elif what == "grads":
+                shard = u.master.grad if u.master.grad is not None else torch.zeros_like(u.master)
+            else:
+                raise ValueError(f"what must be 'params' or 'grads', got {what!r}")
+            flat = torch.empty(u.layout.padded, dtype=torch.float32, device=self.device)
+            self.comm.all_gather(flat, shard.contiguous(), u.name).wait()
+            for entry, fqns in zip(u.layout.entries, u.fqns):
+                t = flat[entry.offset : entry.end].view(entry.shape).clone()
+                for fqn in fqns:
+                    out[fqn] = t
+        return out
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+
+def _checkpointed_forward(inner, *args, **kwargs):
+    """Activation checkpointing of one decoder layer, inside yashard's hooks.
+
+    The hooks (gather, gate, views) run once outside the checkpointed region; the recompute in
+    backward re-reads the same parameter views, whose slot was re-gathered by the layer's
+    ``BackwardEntry`` before any of its backward ops run. A KV cache is not updated under
+    recompute (it would be filled twice).
+    """
+    if not torch.is_grad_enabled():
+        return inner(*args, **kwargs)
+    if "past_key_values" in kwargs:
+        kwargs["past_key_values"] = None
+    if "use_cache" in kwargs:
+        kwargs["use_cache"] = False
+    return torch.utils.checkpoint.checkpoint(inner, *args, use_reentrant=False, **kwargs)

@@ -1,0 +1,117 @@
+"""A unit: parameters that are gathered and reduced together, and their per-pass state."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from .layout import FlatLayout, uncovered_ranges
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .buffers import Slot
+    from .events import Pending
+    from .runtime import Runtime
+
+
+class Unit:
+    """One decoder layer, the embedding, the lm_head, or the group of all 1-D parameters.
+
+    Owns the fp32 master shard (an ``nn.Parameter`` the optimizer sees), its persistent fp32
+    gradient storage, and the bookkeeping of the current forward/backward pass. Parameters of the
+    original modules are replaced by views into ``slot.weights`` (see :mod:`yashard.narrow`).
+    """
+
+    def __init__(
+        self,
+        runtime: "Runtime",
+        name: str,
+        kind: str,
+        index: int,
+        layout: FlatLayout,
+        locations: list[list[tuple[nn.Module, str]]],
+        fqns: list[list[str]],
+        slot: "Slot",
+        master: nn.Parameter,
+    ):
+        self.rt = runtime
+        self.name = name
+        self.kind = kind            # "layer" | "outer" | "small"
+        self.index = index          # layer index, -1 for non-layers
+        self.layout = layout
+        self.locations = locations  # per entry: every (module, attribute) that holds the parameter
+        self.fqns = fqns            # per entry: every HF name of the parameter (tied names included)
+        self.slot = slot
+        self.master = master
+        self.grad_storage = torch.zeros_like(master, memory_format=torch.contiguous_format)
+        self.gather_src = master    # replaced by a param_dtype copy when param_dtype != fp32
+        self.token = torch.empty(0, device=master.device, requires_grad=True)
+        # Per-pass state.
+        self.gathered: "Pending | None" = None
+        self.fwd_id = -1            # id of the last grad-enabled forward this unit ran in
+        self.fwd_version = -1       # master._version at that forward
+        self.next_forward: Unit | None = None
+        self.grad_claimed = False
+        self.written = [False] * len(layout.entries)
+        self.reduced_in_pass = False
+
+    def __repr__(self) -> str:
+        return f"Unit({self.name}, {self.layout.total} params, slot={self.slot.name})"
+
+    # ---- views -------------------------------------------------------------------------------
+    def install_views(self, token: torch.Tensor | None) -> None:
+        """Point every owning module attribute at a view of this unit's slot.
+
+        With ``token`` the views are :class:`~yashard.narrow.Narrow` outputs (gradients flow into
+        the grad slot); without it they are plain views (no autograd), for no-grad forwards.
+        """
+        from .narrow import Narrow
+
+        weights = self.slot.weights
+        for i, (entry, locs) in enumerate(zip(self.layout.entries, self.locations)):
+            if token is not None:
+                view = Narrow.apply(token, weights, self, i)
+            else:
+                view = weights.narrow(0, entry.offset, entry.numel).view(entry.shape)
+            for module, attr in locs:
+                module.__dict__[attr] = view
+
+    # ---- backward ----------------------------------------------------------------------------
+    def write_grad(self, index: int, grad: torch.Tensor) -> None:
+        """Called by ``Narrow.backward``: put one parameter's gradient into the grad slot."""
+        rt = self.rt
+        rt.begin_backward()
+        if not self.grad_claimed:
+            rt.claim_grad_slot(self)
+        entry = self.layout.entries[index]
+        dst = self.slot.grads.narrow(0, entry.offset, entry.numel)
+        src = grad.reshape(-1)
+        if self.written[index]:
+            dst.add_(src)
+        else:
+            dst.copy_(src)
+            self.written[index] = True
+
+    def zero_unwritten(self) -> None:
+        """Zero every grad-slot range of this unit that this pass did not write.
+
+        Parameters that got no gradient must not inherit the previous owner's values; alignment
+        gaps and padding are re-zeroed only when the previous writer had another layout.
+        """
+        grads = self.slot.grads
+        for lo, hi in uncovered_ranges(self.layout, self.written):
+            grads[lo:hi].zero_()
+        sig = self.layout.signature
+        if self.slot.zeroed_signature != sig:
+            for lo, hi in self.layout.gaps():
+                grads[lo:hi].zero_()
+            self.slot.zeroed_signature = sig
+
+    def on_grads_complete(self) -> None:
+        """``GateGradFlow.backward``: all of this unit's gradients are in the grad slot."""
+        self.rt.on_unit_grads_complete(self)
+
+    def on_backward_start(self) -> None:
+        """``BackwardEntry.backward``: gradients of this unit's outputs are ready."""
+        self.rt.on_unit_backward_start(self)

@@ -8,6 +8,7 @@ An exception on any rank fails the call with that rank's traceback.
 
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
 import os
 import socket
@@ -31,11 +32,15 @@ def _entry(fn, rank, world, port, args, queue):
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         result = fn(rank, world, *args)
-        queue.put((rank, True, result))
+        buf = io.BytesIO()
+        torch.save(result, buf)  # plain bytes: tensors would otherwise travel as shared-memory handles
+        queue.put((rank, True, buf.getvalue()))
     except BaseException:  # noqa: BLE001 - report every failure to the parent
         ok = False
         queue.put((rank, False, traceback.format_exc()))
     try:
+        queue.close()
+        queue.join_thread()  # flush the result before os._exit skips the feeder thread
         if ok and dist.is_initialized():
             dist.barrier()
         if dist.is_initialized():
@@ -61,7 +66,9 @@ def run_distributed(fn, world: int, *args, timeout: float = 240.0) -> list:
             except Exception as e:  # queue.Empty
                 raise TimeoutError(f"a rank did not report within {timeout}s ({len(results)} of {world} did)") from e
             if ok:
-                results[rank] = payload
+                import torch
+
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
             else:
                 errors.append(f"--- rank {rank} ---\n{payload}")
                 break

@@ -1,0 +1,117 @@
+"""Training loops shared by the multi-process tests: a sharded run and its single-process reference.
+
+A *scenario* is a dict; every key has a default in :data:`DEFAULTS`. The sharded run and the
+reference see the same initial weights (same seed) and the same global batch per step: rank r takes
+rows ``[r * B/W, (r + 1) * B/W)`` of the global batch and splits them into ``accum`` micro-batches.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import yashard
+from models import batches, build
+
+DEFAULTS = dict(
+    family="llama", overrides={}, steps=10, micro=2, accum=1, seq=16, lr=1e-3, wd=0.1, clip=1.0,
+    dtype="fp32", ckpt=0, grads_every_step=False, unused=None, zero_grad_none=True, seed=0,
+)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def scenario(**kw) -> dict:
+    bad = set(kw) - set(DEFAULTS)
+    if bad:
+        raise KeyError(f"unknown scenario keys {bad}")
+    return {**DEFAULTS, **kw}
+
+
+def _make_unused(model, layer: int):
+    """Make ``mlp.up_proj`` of one layer get no gradient: its MLP skips it."""
+    mlp = model.model.layers[layer].mlp
+
+    def forward(x):
+        return mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)))
+
+    mlp.forward = forward
+
+
+def _model(s):
+    model = build(s["family"], seed=s["seed"], **s["overrides"])
+    if s["unused"] is not None:
+        _make_unused(model, s["unused"])
+    return model
+
+
+def run_sharded(rank: int, world: int, s: dict) -> dict:
+    model = _model(s)
+    vocab = model.config.vocab_size
+    cfg = yashard.ShardConfig(param_dtype=DTYPES[s["dtype"]], checkpoint_layers=s["ckpt"])
+    sm = yashard.shard(model, config=cfg)
+    opt = torch.optim.AdamW(sm.param_groups(s["wd"]), lr=s["lr"])
+    global_batch = s["micro"] * s["accum"] * world
+    losses, norms, grads, ptrs = [], [], [], []
+    for step, batch in enumerate(batches(s["steps"], global_batch, s["seq"], vocab)):
+        local = batch.chunk(world)[rank]
+        step_loss = torch.zeros(())
+        for micro in local.chunk(s["accum"]):
+            out = sm(input_ids=micro, labels=micro)
+            (out.loss / s["accum"]).backward()
+            step_loss += out.loss.detach().float() / s["accum"]
+        dist.all_reduce(step_loss)
+        losses.append(step_loss.item() / world)
+        if s["grads_every_step"] or step == 0:
+            grads.append({k: v.clone() for k, v in sm.full_grads().items()})
+        norms.append(sm.clip_grad_norm_(s["clip"]).item())
+        opt.step()
+        opt.zero_grad(set_to_none=s["zero_grad_none"])
+        ptrs.append({k: t.data_ptr() for k, t in sm.runtime.allocated_tensors().items()})
+    params = sm.full_state_dict()
+    return dict(losses=losses, norms=norms, grads=grads, params=params, ptrs=ptrs,
+                plan=sm.memory_plan().total_bytes,
+                allocated=sum(t.numel() * t.element_size() for t in sm.runtime.allocated_tensors().values()))
+
+
+def run_reference(s: dict) -> dict:
+    """The same training on one process, unsharded, full global batch per step, fp32."""
+    model = _model(s)
+    vocab = model.config.vocab_size
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": s["wd"]}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=s["lr"])
+    world = s.get("world", 1)
+    losses, norms, grads = [], [], []
+    for step, batch in enumerate(batches(s["steps"], s["micro"] * s["accum"] * world, s["seq"], vocab)):
+        out = model(input_ids=batch, labels=batch)
+        out.loss.backward()
+        losses.append(out.loss.item())
+        if s["grads_every_step"] or step == 0:
+            grads.append({k: (p.grad.clone() if p.grad is not None else torch.zeros_like(p))
+                          for k, p in model.named_parameters(remove_duplicate=False)})
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), s["clip"]).item())
+        opt.step()
+        opt.zero_grad()
+    return dict(losses=losses, norms=norms, grads=grads,
+                params={k: p.detach().clone() for k, p in model.named_parameters(remove_duplicate=False)})
+
+
+def run_many(rank: int, world: int, scenarios: list) -> list:
+    return [run_sharded(rank, world, s) for s in scenarios]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Norm-wise relative error ||a - b|| / max(||b||, tiny)."""
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def max_rel_err(a: dict, b: dict) -> tuple[float, str]:
+    assert set(a) == set(b), f"names differ: {sorted(set(a) ^ set(b))}"
+    worst = max(((rel_err(a[k], b[k]), k) for k in b if b[k].norm() > 0), default=(0.0, ""))
+    return worst
+
+
+def loss_rel_err(a: list, b: list) -> float:
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))

@@ -116,3 +116,12 @@ def test_two_runs_are_bitwise_equal_and_buffers_never_move():
     for res in a:
         assert all(p == res["ptrs"][0] for p in res["ptrs"])  # data pointers fixed after step one
         assert res["plan"] == res["allocated"]                 # the plan is what is allocated
+
+
+def test_mistral_and_qwen3_parity():
+    """Mistral (sliding-window config) and Qwen3 (q/k norms inside attention), Qwen3 also tied."""
+    scenarios = [scenario(family="mistral", steps=4), scenario(family="qwen3", steps=4),
+                 scenario(family="qwen3", overrides={"tie_word_embeddings": True}, steps=4)]
+    results = run_distributed(run_many, 2, scenarios)[0]
+    for s, res in zip(scenarios, results):
+        check_fp32(res, run_reference({**s, "world": 2}))

@@ -107,9 +107,15 @@ def shard(model: nn.Module, *, config: ShardConfig | None = None, process_group=
     spec = resolve_spec(model)
     device = _pick_device(config, comm)
     if device.type == "cuda" and "nccl" not in comm.backend:
-        raise ValueError(f"device {device} needs an NCCL process group, but the group's backend is {comm.backend}")
+        raise ValueError(
+            f"device {device} needs an NCCL process group, but the group's backend is {comm.backend}: "
+            "init the group with backend='nccl', or pass ShardConfig(device='cpu')"
+        )
     if device.type == "cpu" and "gloo" not in comm.backend:
-        raise ValueError(f"the CPU device needs a gloo process group, but the group's backend is {comm.backend}")
+        raise ValueError(
+            f"the CPU device needs a gloo process group, but the group's backend is {comm.backend}: "
+            "init the group with backend='gloo' (or 'cpu:gloo,cuda:nccl'), or pass a CUDA ShardConfig(device=...)"
+        )
     runtime = Runtime(model, spec, config, comm, device)
     wrapped = ShardedModel(model, runtime)
     if comm.rank == 0:

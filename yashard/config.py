@@ -23,8 +23,8 @@ class ShardConfig:
             gradients and the optimizer state are always fp32.
         reduce_dtype: dtype of the gradient buffers and of gradients on the wire. The reduction is
             a SUM followed by a division by the world size in fp32 (post-divide). ``None`` means
-            fp32. Must not be narrower than ``param_dtype``'s exponent range (fp16 reduce with bf16
-            params is rejected).
+            fp32. fp16 with bf16 params is rejected (fp16 overflows where bf16 does not); a reduce
+            dtype narrower than fp32 trades gradient precision for bandwidth.
         checkpoint_layers: how many decoder layers (counted from the first) recompute their
             activations in backward instead of storing them. 0 disables activation checkpointing;
             a value larger than the number of layers is an error at :func:`yashard.shard` time.
@@ -66,7 +66,7 @@ class ShardConfig:
             )
         if self.checkpoint_layers < 0:
             raise ValueError(f"ShardConfig.checkpoint_layers must be >= 0, got {self.checkpoint_layers}")
-        if not isinstance(self.shard_align, int) or self.shard_align < 1:
+        if isinstance(self.shard_align, bool) or not isinstance(self.shard_align, int) or self.shard_align < 1:
             raise ValueError(f"ShardConfig.shard_align must be a positive int, got {self.shard_align!r}")
         if self.device is not None:
             object.__setattr__(self, "device", torch.device(self.device))

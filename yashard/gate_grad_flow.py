@@ -31,19 +31,21 @@ class GateGradFlow(torch.autograd.Function):
 
 
 class BackwardEntry(torch.autograd.Function):
-    """Identity on a unit's outputs whose backward calls ``unit.on_backward_start()``.
+    """Identity on a unit's outputs whose backward calls ``unit.on_backward_start(fwd_id)``.
 
     Contract: applied to every differentiable output of a unit after its forward. Its backward runs
     once, when the gradients of all those outputs are ready and before any backward op of the unit,
-    so the runtime can re-gather the unit's weights (and prefetch the next unit) in time.
+    so the runtime can re-gather the unit's weights (and prefetch the next unit) in time. ``fwd_id``
+    is the id of the forward that built this node, so a backward through an older forward is caught.
     """
 
     @staticmethod
-    def forward(ctx, unit, *outputs):  # noqa: D102
+    def forward(ctx, unit, fwd_id, *outputs):  # noqa: D102
         ctx.unit = unit
+        ctx.fwd_id = fwd_id
         return outputs
 
     @staticmethod
     def backward(ctx, *grads):  # noqa: D102
-        ctx.unit.on_backward_start()
-        return (None, *grads)
+        ctx.unit.on_backward_start(ctx.fwd_id)
+        return (None, None, *grads)

@@ -56,11 +56,35 @@ class Runtime:
         self._bwd_last_layer: int | None = None
         self._hooks = []
 
+        self._validate(model, spec)
         groups = self._partition(model, spec)
         self._build_units(groups)
         self._install_hooks(spec)
+        model._yashard_sharded = True
 
     # ------------------------------------------------------------------ construction
+    def _validate(self, model: nn.Module, spec: ModelSpec) -> None:
+        """Checks that need the model, run before anything in it is changed."""
+        if getattr(model, "_yashard_sharded", False):
+            raise ValueError(
+                "model was already sharded by yashard.shard (its parameters now live in that ShardedModel); "
+                "use the ShardedModel it returned"
+            )
+        n_layers = len(get_path(model, spec.layers))
+        ckpt = self.config.checkpoint_layers
+        if ckpt > n_layers:
+            raise ValueError(
+                f"ShardConfig.checkpoint_layers={ckpt} but the model has {n_layers} decoder layers; "
+                f"use a value between 0 and {n_layers}"
+            )
+        flags = [f for f in ("is_activation_checkpointing", "is_gradient_checkpointing") if hasattr(type(model), f)]
+        if flags and getattr(model, flags[0]):
+            raise ValueError(
+                "the model has HF activation checkpointing enabled (activation_checkpointing_enable() / "
+                "gradient_checkpointing_enable()); it would re-run yashard's layer hooks during backward. "
+                "Turn it off (model.gradient_checkpointing_disable()) and use ShardConfig(checkpoint_layers=N) instead"
+            )
+
     def _partition(self, model: nn.Module, spec: ModelSpec):
         """Assign every parameter to exactly one unit; returns ``{unit_key: [(param, locs, fqns)]}``."""
         layers = get_path(model, spec.layers)
@@ -87,7 +111,10 @@ class Runtime:
                     "(build the model on CPU, or load it with from_pretrained) in this version"
                 )
             if not p.is_floating_point():
-                raise ValueError(f"parameter {fqns[0]} has dtype {p.dtype}; yashard shards floating-point parameters only")
+                raise ValueError(
+                    f"parameter {fqns[0]} has dtype {p.dtype}; yashard shards floating-point parameters only: "
+                    "register it as a buffer (module.register_buffer) if it is not trained"
+                )
             if not p.requires_grad:
                 raise ValueError(
                     f"parameter {fqns[0]} has requires_grad=False; frozen parameters are not supported yet: "
@@ -110,14 +137,16 @@ class Runtime:
                 raise ValueError(
                     f"parameter {fqns[0]} (shape {tuple(p.shape)}) is outside the decoder layers "
                     f"('{spec.layers}'), the embedding ('{spec.embed}') and the lm_head ('{spec.lm_head}'); "
-                    "yashard cannot shard it. Move it into one of those modules or add a ModelSpec."
+                    "yashard cannot shard it. Move it into one of those modules, or register it as a buffer "
+                    "if it is not trained."
                 )
             if keys == {"embed", "lm_head"}:      # tied input/output embedding: one unit, two names
                 groups["embed"].append((p, locs, fqns))
             elif len(keys) > 1:
                 raise ValueError(
-                    f"parameter {fqns[0]} is shared between {sorted(keys)}; yashard supports sharing only "
-                    "between the embedding and the lm_head (tied embeddings)"
+                    f"parameter {fqns[0]} is also {', '.join(fqns[1:]) or 'used by another unit'}; yashard "
+                    "supports sharing only between the embedding and the lm_head (tied embeddings): untie it "
+                    "(assign a clone to one of them) before yashard.shard"
                 )
             else:
                 groups[keys.pop()].append((p, locs, fqns))
@@ -201,18 +230,6 @@ class Runtime:
         modules = {"embed": get_path(model, spec.embed), "lm_head": get_path(model, spec.lm_head)}
         layer_modules = get_path(model, spec.layers)
         ckpt = self.config.checkpoint_layers
-        if ckpt > len(layer_modules):
-            raise ValueError(
-                f"ShardConfig.checkpoint_layers={ckpt} but the model has {len(layer_modules)} decoder layers; "
-                f"use a value between 0 and {len(layer_modules)}"
-            )
-        ckpt_flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else "is_gradient_checkpointing"
-        if getattr(model, ckpt_flag, False):
-            raise ValueError(
-                "the model has HF gradient checkpointing enabled (gradient_checkpointing_enable()); it would "
-                "re-run yashard's layer hooks during backward. Disable it and use "
-                "ShardConfig(checkpoint_layers=N) instead"
-            )
         for unit in self.forward_order:
             if unit.kind == "layer":
                 module = layer_modules[unit.index]
@@ -259,7 +276,6 @@ class Runtime:
         self._bwd_last_layer = None
         for u in self.units:
             u.gathered = None      # masters may have changed since the last forward
-            u.reduced_in_pass = False
             if grad:
                 u.fwd_version = u.master._version
         if self.config.param_dtype != torch.float32:
@@ -321,7 +337,7 @@ class Runtime:
         idx = [i for i, x in enumerate(flat) if _is_diff_tensor(x)]
         if not idx:
             return None
-        outs = BackwardEntry.apply(unit, *[flat[i] for i in idx])
+        outs = BackwardEntry.apply(unit, self.grad_fwd_id, *[flat[i] for i in idx])
         for i, o in zip(idx, outs):
             flat[i] = o
         return tree_unflatten(flat, spec)
@@ -332,6 +348,9 @@ class Runtime:
         if self.in_backward:
             return
         self.in_backward = True
+        self._bwd_last_layer = None
+        for u in self.units:
+            u.reduced_in_pass = False
         fresh = [u for u in self.units if u.master.grad is None]
         if fresh:
             torch._foreach_zero_([u.grad_storage for u in fresh])
@@ -339,11 +358,11 @@ class Runtime:
                 u.master.grad = u.grad_storage
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
-    def on_unit_backward_start(self, unit: Unit) -> None:
+    def on_unit_backward_start(self, unit: Unit, fwd_id: int) -> None:
         self.begin_backward()
-        if unit.fwd_id != self.grad_fwd_id:
+        if fwd_id != self.grad_fwd_id:
             raise OrderError(
-                f"backward reached {unit.name} of forward #{unit.fwd_id}, but forward #{self.grad_fwd_id} ran "
+                f"backward reached {unit.name} of forward #{fwd_id}, but forward #{self.grad_fwd_id} ran "
                 "since; yashard keeps one forward's weights in its buffers: call backward() before the next "
                 "grad-enabled forward"
             )

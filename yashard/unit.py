@@ -112,6 +112,6 @@ class Unit:
         """``GateGradFlow.backward``: all of this unit's gradients are in the grad slot."""
         self.rt.on_unit_grads_complete(self)
 
-    def on_backward_start(self) -> None:
-        """``BackwardEntry.backward``: gradients of this unit's outputs are ready."""
-        self.rt.on_unit_backward_start(self)
+    def on_backward_start(self, fwd_id: int) -> None:
+        """``BackwardEntry.backward``: gradients of this unit's outputs (of forward ``fwd_id``) are ready."""
+        self.rt.on_unit_backward_start(self, fwd_id)

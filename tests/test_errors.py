@@ -1,0 +1,374 @@
+"""Every user-facing error of yashard, matched by message.
+
+Layout errors (``yashard.layout``) are covered in ``test_layout.py``. Errors that need a process
+group use a 1-rank gloo group initialised in this process by the module-scoped ``pg`` fixture; the
+test of the "no process group" error comes first and needs no group (when one is already
+initialised, it runs in a fresh interpreter instead).
+"""
+
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import yashard
+from models import build, tiny_config
+
+
+def _ids(seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 96, (2, 8), generator=g)
+
+
+def _loss(sm, seed: int = 0):
+    x = _ids(seed)
+    return sm(input_ids=x, labels=x, use_cache=False).loss
+
+
+# ---------------------------------------------------------------------------------------------
+# No process group (must run before the ``pg`` fixture initialises one).
+
+
+def test_shard_without_process_group():
+    pattern = r"yashard\.shard needs an initialised process group: call torch\.distributed\.init_process_group\(\)"
+    if not dist.is_initialized():
+        with pytest.raises(RuntimeError, match=pattern):
+            yashard.shard(nn.Linear(2, 2))
+        return
+    # Some other test left a group initialised: check in a fresh interpreter.
+    code = "import torch.nn as nn, yashard\nyashard.shard(nn.Linear(2, 2))\n"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(__file__)),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode != 0
+    assert re.search(pattern, proc.stderr), proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# ShardConfig validation (pure: no process group).
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int32, "bf16"])
+def test_config_bad_param_dtype(dtype):
+    name = str(dtype).replace("torch.", "")
+    with pytest.raises(ValueError, match=rf"ShardConfig\.param_dtype={name} is not supported; use torch\.float32"):
+        yashard.ShardConfig(param_dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int8])
+def test_config_bad_reduce_dtype(dtype):
+    name = str(dtype).replace("torch.", "")
+    with pytest.raises(ValueError, match=rf"ShardConfig\.reduce_dtype={name} is not supported; .*or None \(fp32\)"):
+        yashard.ShardConfig(reduce_dtype=dtype)
+
+
+def test_config_fp16_reduce_with_bf16_params():
+    with pytest.raises(ValueError, match=r"reduce_dtype=float16 cannot carry gradients of param_dtype=bfloat16.*"
+                                         r"use reduce_dtype=torch\.float32 or torch\.bfloat16"):
+        yashard.ShardConfig(param_dtype=torch.bfloat16, reduce_dtype=torch.float16)
+
+
+def test_config_checkpoint_layers_negative():
+    with pytest.raises(ValueError, match=r"ShardConfig\.checkpoint_layers must be >= 0, got -1"):
+        yashard.ShardConfig(checkpoint_layers=-1)
+
+
+@pytest.mark.parametrize("value, tname", [(True, "bool"), (1.5, "float"), ("2", "str")])
+def test_config_checkpoint_layers_not_an_int(value, tname):
+    with pytest.raises(TypeError, match=rf"ShardConfig\.checkpoint_layers must be an int \(number of layers\), got {tname}"):
+        yashard.ShardConfig(checkpoint_layers=value)
+
+
+@pytest.mark.parametrize("value", [0, -16, 2.0, "16"])
+def test_config_bad_shard_align(value):
+    with pytest.raises(ValueError, match=rf"ShardConfig\.shard_align must be a positive int, got {re.escape(repr(value))}"):
+        yashard.ShardConfig(shard_align=value)
+
+
+# ---------------------------------------------------------------------------------------------
+# shard() argument checks that fire before the process group is looked at.
+
+
+def test_shard_needs_a_module():
+    with pytest.raises(TypeError, match=r"yashard\.shard expects an nn\.Module, got dict"):
+        yashard.shard({"weight": torch.zeros(2)})
+
+
+def test_shard_config_of_wrong_type():
+    with pytest.raises(TypeError, match=r"config must be a yashard\.ShardConfig, got dict"):
+        yashard.shard(nn.Linear(2, 2), config={"param_dtype": torch.bfloat16})
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors that need a process group: one rank, gloo, in this process.
+
+
+@pytest.fixture(scope="module")
+def pg():
+    if dist.is_initialized():  # pragma: no cover - someone else owns the group
+        yield dist.group.WORLD
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def test_shard_twice(pg):
+    sm = yashard.shard(build())
+    with pytest.raises(ValueError, match=r"model is already sharded by yashard; call yashard\.shard once per model"):
+        yashard.shard(sm)
+
+
+def test_plain_sequential_has_no_decoder_structure(pg):
+    with pytest.raises(ValueError, match=r"cannot find the decoder structure of Sequential \(model_type=None\)") as ei:
+        yashard.shard(nn.Sequential(nn.Embedding(96, 8), nn.Linear(8, 96)))
+    msg = str(ei.value)
+    # what was expected ...
+    assert "a non-empty nn.ModuleList of decoder layers at 'model.layers'" in msg
+    assert "a token embedding module at 'model.embed_tokens'" in msg
+    assert "a lm_head module at 'lm_head'" in msg
+    # ... what was found, and how to fix it
+    assert "Found top-level children: 0 (Embedding), 1 (Linear)" in msg
+    assert "AutoModelForCausalLM" in msg
+
+
+def test_hf_model_without_lm_head(pg):
+    model = build()
+    del model.lm_head
+    with pytest.raises(ValueError, match=r"decoder structure of LlamaForCausalLM \(model_type='llama'\): "
+                                         r"expected a lm_head module at 'lm_head'\.") as ei:
+        yashard.shard(model)
+    msg = str(ei.value)
+    assert "decoder layers" not in msg and "token embedding" not in msg  # only the missing part is named
+    assert "Found top-level children: model (LlamaModel); model.* children: embed_tokens (Embedding), layers (ModuleList)" in msg
+
+
+def test_hf_base_model_is_not_a_causal_lm(pg):
+    from transformers import AutoModel
+
+    with pytest.raises(ValueError, match=r"decoder structure of LlamaModel .*decoder layers at 'model\.layers'.*"
+                                         r"Found top-level children: embed_tokens \(Embedding\), layers \(ModuleList\)"
+                                         r".*Pass an HF causal LM \(AutoModelForCausalLM\)"):
+        yashard.shard(AutoModel.from_config(tiny_config()))
+
+
+def test_empty_layer_list(pg):
+    model = build()
+    model.model.layers = nn.ModuleList()
+    with pytest.raises(ValueError, match=r"expected a non-empty nn\.ModuleList of decoder layers at 'model\.layers'\."):
+        yashard.shard(model)
+
+
+def test_meta_parameters(pg):
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_config())
+    with pytest.raises(ValueError, match=r"parameter model\.embed_tokens\.weight is on the meta device; "
+                                         r"yashard\.shard needs materialised weights"):
+        yashard.shard(model)
+
+
+def test_non_float_parameter(pg):
+    model = build()
+    model.model.register_parameter("step", nn.Parameter(torch.zeros(2, 2, dtype=torch.long), requires_grad=False))
+    with pytest.raises(ValueError, match=r"parameter model\.step has dtype torch\.int64; "
+                                         r"yashard shards floating-point parameters only"):
+        yashard.shard(model)
+
+
+def test_frozen_parameter(pg):
+    model = build()
+    model.model.layers[2].self_attn.q_proj.weight.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"parameter model\.layers\.2\.self_attn\.q_proj\.weight has requires_grad=False; "
+                                         r"frozen parameters are not supported yet: unfreeze it"):
+        yashard.shard(model)
+
+
+def test_parameter_outside_layers_embed_and_lm_head(pg):
+    model = build()
+    model.model.extra = nn.Parameter(torch.zeros(4, 4))
+    with pytest.raises(ValueError, match=r"parameter model\.extra \(shape \(4, 4\)\) is outside the decoder layers "
+                                         r"\('model\.layers'\), the embedding \('model\.embed_tokens'\) and the lm_head "
+                                         r"\('lm_head'\); yashard cannot shard it"):
+        yashard.shard(model)
+
+
+def test_parameter_shared_between_decoder_layers(pg):
+    model = build()
+    model.model.layers[1].mlp.up_proj.weight = model.model.layers[0].mlp.up_proj.weight
+    with pytest.raises(ValueError, match=r"parameter model\.layers\.0\.mlp\.up_proj\.weight is also "
+                                         r"model\.layers\.1\.mlp\.up_proj\.weight; yashard supports sharing only "
+                                         r"between the embedding and the lm_head \(tied embeddings\): untie it"):
+        yashard.shard(model)
+
+
+def test_checkpoint_layers_larger_than_the_model(pg):
+    with pytest.raises(ValueError, match=r"ShardConfig\.checkpoint_layers=5 but the model has 4 decoder layers; "
+                                         r"use a value between 0 and 4"):
+        yashard.shard(build(), config=yashard.ShardConfig(checkpoint_layers=5))
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")
+@pytest.mark.parametrize("enable", ["gradient_checkpointing_enable", "activation_checkpointing_enable"])
+def test_hf_gradient_checkpointing_enabled(pg, enable):
+    model = build()
+    if not hasattr(model, enable):
+        pytest.skip(f"this transformers has no {enable}()")
+    getattr(model, enable)()
+    with pytest.raises(ValueError, match=r"HF activation checkpointing enabled \(activation_checkpointing_enable\(\) / "
+                                         r"gradient_checkpointing_enable\(\)\).*Turn it off "
+                                         r"\(model\.gradient_checkpointing_disable\(\)\) and use "
+                                         r"ShardConfig\(checkpoint_layers=N\) instead"):
+        yashard.shard(model)
+
+
+def test_cuda_device_with_gloo_group(pg):
+    # torch.device("cuda") can be built on a CPU-only torch; the backend check fires before any CUDA use.
+    with pytest.raises(ValueError, match=r"device cuda needs an NCCL process group, but the group's backend is gloo"):
+        yashard.shard(build(), config=yashard.ShardConfig(device="cuda"))
+
+
+def test_cpu_device_with_non_gloo_group(pg):
+    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")  # registers backend "fake"
+    del fake_pg
+    try:
+        group = dist.new_group([0], backend="fake")
+    except Exception as e:  # pragma: no cover - depends on the torch build
+        pytest.skip(f"cannot create a 'fake' backend group: {e}")
+    with pytest.raises(ValueError, match=r"the CPU device needs a gloo process group, but the group's backend is fake"):
+        yashard.shard(build(), config=yashard.ShardConfig(device="cpu"), process_group=group)
+
+
+def test_clip_grad_norm_unsupported_norm_type(pg):
+    sm = yashard.shard(build())
+    _loss(sm).backward()
+    with pytest.raises(ValueError, match=r"clip_grad_norm_ supports norm_type=2 or inf, got 1\.0"):
+        sm.clip_grad_norm_(1.0, norm_type=1)
+
+
+def test_gather_full_bad_what(pg):
+    sm = yashard.shard(build())
+    with pytest.raises(ValueError, match=r"what must be 'params' or 'grads', got 'weights'"):
+        sm.runtime.gather_full("weights")
+
+
+# ---------------------------------------------------------------------------------------------
+# Runtime order errors.
+
+
+def _sharded_with_layers():
+    model = build()
+    sm = yashard.shard(model)
+    return model, sm, list(model.model.layers)
+
+
+def test_layers_run_out_of_order(pg):
+    model, sm, layers = _sharded_with_layers()
+    model.model.layers = nn.ModuleList(layers[::-1])
+    with pytest.raises(yashard.OrderError, match=r"decoder layer model\.layers\.3 ran its forward but model\.layers\.0 "
+                                                 r"was expected next.*\(a layer was skipped, repeated or called out of order\)"):
+        _loss(sm)
+
+
+def test_layer_runs_twice(pg):
+    model, sm, layers = _sharded_with_layers()
+    model.model.layers = nn.ModuleList([layers[0], layers[0], layers[1], layers[2]])
+    with pytest.raises(yashard.OrderError, match=r"decoder layer model\.layers\.0 ran its forward but model\.layers\.1 "
+                                                 r"was expected next"):
+        _loss(sm)
+
+
+def test_layer_runs_after_the_last_layer(pg):
+    model, sm, layers = _sharded_with_layers()
+    model.model.layers = nn.ModuleList(layers + [layers[3]])
+    model.config.num_hidden_layers = 5
+    with pytest.raises(yashard.OrderError, match=r"decoder layer model\.layers\.3 ran after all 4 layers of this "
+                                                 r"forward already ran; .*exactly once per forward, in order"):
+        _loss(sm)
+
+
+def test_order_error_does_not_poison_the_model(pg):
+    model, sm, layers = _sharded_with_layers()
+    model.model.layers = nn.ModuleList(layers[::-1])
+    with pytest.raises(yashard.OrderError):
+        _loss(sm)
+    model.model.layers = nn.ModuleList(layers)
+    loss = _loss(sm)
+    loss.backward()
+    assert torch.isfinite(loss)
+
+
+def test_backward_after_a_newer_forward(pg):
+    # Forward #1 completes; forward #2 starts but aborts before reaching the lm_head (a layer out of
+    # order); then backward of forward #1 reaches the lm_head, whose weights belong to forward #2.
+    model, sm, layers = _sharded_with_layers()
+    loss1 = _loss(sm)
+    model.model.layers = nn.ModuleList(layers[::-1])
+    with pytest.raises(yashard.OrderError):
+        _loss(sm)
+    with pytest.raises(yashard.OrderError, match=r"backward reached lm_head of forward #1, but forward #2 ran since; "
+                                                 r".*call backward\(\) before the next grad-enabled forward"):
+        loss1.backward()
+
+
+def test_two_forwards_then_backward_of_the_first(pg):
+    sm = yashard.shard(build())
+    loss1 = _loss(sm, 0)
+    _loss(sm, 1)
+    with pytest.raises(yashard.OrderError, match=r"forward #1, but forward #2 ran since"):
+        loss1.backward()
+
+
+def test_second_backward_of_one_forward_accumulates_like_pytorch(pg):
+    # retain_graph=True and a second backward: every layer is gathered again and the gradients add up.
+    sm = yashard.shard(build())
+    loss = _loss(sm)
+    loss.backward(retain_graph=True)
+    once = {k: v.clone() for k, v in sm.full_grads().items()}
+    loss.backward()
+    twice = sm.full_grads()
+    for k in once:
+        torch.testing.assert_close(twice[k], 2 * once[k], rtol=1e-6, atol=1e-9)
+
+
+def test_optimizer_step_between_forward_and_backward(pg):
+    sm = yashard.shard(build())
+    opt = torch.optim.SGD(sm.parameters(), lr=0.1)
+    _loss(sm).backward()          # masters now have gradients, so step() changes them
+    loss = _loss(sm)
+    opt.step()
+    with pytest.raises(RuntimeError, match=r"the master weights of lm_head changed between forward and backward "
+                                           r"\(optimizer\.step\(\) before backward\(\)\?\); call backward\(\) first"):
+        loss.backward()
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks added after review: sharding twice, and validation before the model is touched.
+
+
+def test_shard_the_same_hf_model_twice(pg):
+    model = build()
+    yashard.shard(model)
+    with pytest.raises(ValueError, match=r"already sharded"):
+        yashard.shard(model)
+
+
+def test_rejected_config_leaves_the_model_untouched(pg):
+    model = build()
+    n = len(list(model.parameters()))
+    with pytest.raises(ValueError, match=r"checkpoint_layers=5"):
+        yashard.shard(model, config=yashard.ShardConfig(checkpoint_layers=5))
+    assert len(list(model.parameters())) == n
+    assert not model._forward_pre_hooks

@@ -106,5 +106,6 @@ class Pending:
 
     def wait(self) -> None:
         if not self.done:
-            self._finish()
+            with torch.profiler.record_function("yashard::wait_collective"):
+                self._finish()
         self._streams.compute.wait_event(self._event)

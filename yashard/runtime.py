@@ -14,6 +14,7 @@ import math
 import torch
 import torch.utils.checkpoint
 from torch import nn
+from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .buffers import Slot
@@ -247,7 +248,8 @@ class Runtime:
         prev = slot.owner
         if prev is not None and prev is not unit and prev.gathered is not None and not prev.gathered.done:
             prev.gathered.wait()  # an unused prefetch still writing into the slot (CPU: gloo thread)
-        with self.streams.comm_context():
+        label = "yashard::norm_group_all_gather" if unit.kind == "small" else "yashard::all_gather"
+        with self.streams.comm_context(), record_function(label):
             if slot.release is not None:
                 self.streams.comm.wait_event(slot.release)
             out = slot.weights_io.narrow(0, 0, unit.layout.padded)
@@ -414,14 +416,16 @@ class Runtime:
         ready = self.streams.record(compute)
         n = unit.layout.shard_numel
         out = slot.reduced.narrow(0, 0, n)
-        with self.streams.comm_context():
+        label = "yashard::norm_group_reduce_scatter" if unit.kind == "small" else "yashard::reduce_scatter"
+        with self.streams.comm_context(), record_function(label):
             self.streams.comm.wait_event(ready)
             work = self.comm.reduce_scatter(out, slot.grads.narrow(0, 0, unit.layout.padded), unit.name)
         scale = 1.0 / self.world
         master = unit.master
 
         def accumulate():  # post-divide, in fp32, into the persistent fp32 grad
-            master.grad.add_(out, alpha=scale)
+            with record_function("yashard::post_divide"):
+                master.grad.add_(out, alpha=scale)
 
         pending = Pending(self.streams, work, accumulate)
         slot.grad_busy = pending
@@ -443,6 +447,7 @@ class Runtime:
         finally:
             self.in_backward = False
 
+    @record_function("yashard::drain")
     def _drain(self) -> None:
         """Wait for every collective in flight (compute waits on CUDA; the host waits on CPU)."""
         for u in self.units:

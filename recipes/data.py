@@ -1,0 +1,265 @@
+"""Data helpers for recipes/finetune.py: tokenizers, text sources, batching.
+
+Nothing here touches torch.distributed. Every rank builds the same data and draws the same global
+batch from a generator seeded by (seed, step); each rank then keeps only its own rows. That keeps
+ranks in step with no data communication, and the results don't depend on the world size: with 1
+or 8 ranks, step k trains on the same global batch.
+
+Label convention: HuggingFace causal-LM models shift labels internally (position t is scored
+against labels[t + 1]), so a batch holds ``input_ids`` and ``labels`` of the same length, and
+``labels`` is a copy of ``input_ids`` with -100 wherever no loss should be taken. A window of
+seq_len tokens therefore gives seq_len - 1 next-token predictions.
+"""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+from pathlib import Path
+
+import torch
+
+IGNORE_INDEX = -100  # the label value HF losses skip
+
+
+# --------------------------------------------------------------------------------------------
+# Tokenizers
+# --------------------------------------------------------------------------------------------
+
+
+class ByteTokenizer:
+    """Byte-level tokenizer: ids 0-255 are the UTF-8 bytes, followed by PAD, BOS and EOS."""
+
+    pad_id = 256
+    bos_id = 257
+    eos_id = 258
+    vocab_size = 259
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        """Bytes back to text; special ids are dropped and invalid UTF-8 is replaced."""
+        ids = ids.tolist() if isinstance(ids, torch.Tensor) else ids
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """Gives a HuggingFace tokenizer the same small interface as ByteTokenizer."""
+
+    def __init__(self, tok):
+        self.tok = tok
+        self.vocab_size = len(tok)
+        self.bos_id = tok.bos_token_id
+        self.eos_id = tok.eos_token_id
+        # Many decoder tokenizers have no pad token; padding is never scored, so EOS stands in.
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        if self.pad_id is None:
+            self.pad_id = 0
+
+    def encode(self, text: str) -> list[int]:
+        # verbose=False: don't warn when a whole document is longer than model_max_length.
+        return self.tok(text, add_special_tokens=False, verbose=False)["input_ids"]
+
+    def decode(self, ids) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+
+def load_tokenizer(path: str | None):
+    """``None`` gives the byte-level tokenizer; otherwise ``AutoTokenizer.from_pretrained(path)``."""
+    if path is None:
+        return ByteTokenizer()
+    from transformers import AutoTokenizer
+
+    return HFTokenizer(AutoTokenizer.from_pretrained(path))
+
+
+def _with_specials(tok, ids: list[int]) -> list[int]:
+    """Wrap one document in BOS ... EOS (for the ids the tokenizer has)."""
+    head = [tok.bos_id] if tok.bos_id is not None else []
+    tail = [tok.eos_id] if tok.eos_id is not None else []
+    return head + ids + tail
+
+
+# --------------------------------------------------------------------------------------------
+# Text sources
+# --------------------------------------------------------------------------------------------
+
+_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+
+
+def stdlib_documents(max_bytes: int = 4_000_000) -> list[str]:
+    """Source files of the Python standard library: real text found on any machine.
+
+    Takes the .py files in sorted path order (test suites and site-packages excluded) until
+    ``max_bytes`` of source is collected; the same files in the same order on every rank.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(
+        p for p in root.rglob("*.py") if not _SKIP_DIRS.intersection(p.relative_to(root).parts[:-1])
+    )
+    docs, total = [], 0
+    for path in files:
+        if total >= max_bytes:
+            break
+        raw = path.read_bytes()[: max_bytes - total]
+        docs.append(raw.decode("utf-8", errors="replace"))
+        total += len(raw)
+    if not docs:
+        raise FileNotFoundError(f"no .py files found under the standard library at {root}")
+    return docs
+
+
+def text_file_documents(path: str | Path, max_bytes: int | None = None) -> list[str]:
+    """A plain .txt file as one document (first ``max_bytes`` bytes when given)."""
+    raw = Path(path).read_bytes()
+    if max_bytes is not None:
+        raw = raw[:max_bytes]
+    return [raw.decode("utf-8", errors="replace")]
+
+
+def read_jsonl_pairs(path: str | Path) -> list[tuple[str, str]]:
+    """(prompt, response) pairs from a .jsonl file with one {"prompt", "response"} object a line."""
+    pairs = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            obj = json.loads(line)
+            if "prompt" not in obj or "response" not in obj:
+                raise ValueError(f"{path}:{lineno}: expected keys 'prompt' and 'response', got {sorted(obj)}")
+            pairs.append((str(obj["prompt"]), str(obj["response"])))
+    if not pairs:
+        raise ValueError(f"{path}: no examples")
+    return pairs
+
+
+def tokenize_documents(docs: list[str], tok) -> torch.Tensor:
+    """One 1-D token stream: BOS doc EOS BOS doc EOS ..."""
+    ids: list[int] = []
+    for doc in docs:
+        ids.extend(_with_specials(tok, tok.encode(doc)))
+    return torch.tensor(ids, dtype=torch.long)
+
+
+# --------------------------------------------------------------------------------------------
+# Datasets: both answer ``global_batch(seed, step, size)`` with a dict of [size, seq_len] tensors
+# --------------------------------------------------------------------------------------------
+
+TRAIN_STREAM, EVAL_STREAM = 0, 1
+
+
+def batch_generator(seed: int, step: int, stream: int = TRAIN_STREAM) -> torch.Generator:
+    """A generator that depends only on (seed, step, stream): same draws on every rank.
+
+    Seeding per step (rather than advancing one generator) makes batch k independent of how many
+    batches were drawn before it, e.g. by evaluation.
+    """
+    return torch.Generator().manual_seed(seed * 1_000_003 + stream * 100_003 + step)
+
+
+class TokenStream:
+    """Plain language modelling on a 1-D token stream: random contiguous windows of seq_len."""
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int):
+        if tokens.dim() != 1:
+            raise ValueError("tokens must be a 1-D stream")
+        if tokens.numel() < seq_len:
+            raise ValueError(f"only {tokens.numel()} tokens, fewer than seq_len={seq_len}")
+        self.tokens = tokens
+        self.seq_len = seq_len
+
+    def __len__(self) -> int:
+        return self.tokens.numel()
+
+    def global_batch(self, seed: int, step: int, size: int, stream: int = TRAIN_STREAM) -> dict:
+        g = batch_generator(seed, step, stream)
+        starts = torch.randint(0, self.tokens.numel() - self.seq_len + 1, (size,), generator=g)
+        windows = self.tokens[starts[:, None] + torch.arange(self.seq_len)]
+        return {"input_ids": windows, "labels": windows.clone()}
+
+
+def encode_sft_example(tok, prompt: str, response: str, seq_len: int) -> tuple[list[int], list[int], list[int]]:
+    """(input_ids, labels, attention_mask) for one prompt/response pair, padded to seq_len.
+
+    Layout: BOS prompt response EOS PAD...; labels are -100 on BOS, the prompt and the padding, so
+    only the response (and its EOS) is learned. Too-long examples are cut at seq_len.
+    """
+    prompt_ids = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(prompt)
+    response_ids = tok.encode(response) + ([tok.eos_id] if tok.eos_id is not None else [])
+    ids = (prompt_ids + response_ids)[:seq_len]
+    labels = ([IGNORE_INDEX] * len(prompt_ids) + response_ids)[:seq_len]
+    n_pad = seq_len - len(ids)
+    mask = [1] * len(ids) + [0] * n_pad
+    return ids + [tok.pad_id] * n_pad, labels + [IGNORE_INDEX] * n_pad, mask
+
+
+class SFTExamples:
+    """Supervised fine-tuning on fixed prompt/response examples, each padded to seq_len."""
+
+    def __init__(self, pairs: list[tuple[str, str]], tok, seq_len: int):
+        rows = [encode_sft_example(tok, p, r, seq_len) for p, r in pairs]
+        self.input_ids = torch.tensor([r[0] for r in rows], dtype=torch.long)
+        self.labels = torch.tensor([r[1] for r in rows], dtype=torch.long)
+        self.attention_mask = torch.tensor([r[2] for r in rows], dtype=torch.long)
+        self.seq_len = seq_len
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def global_batch(self, seed: int, step: int, size: int, stream: int = TRAIN_STREAM) -> dict:
+        g = batch_generator(seed, step, stream)
+        idx = torch.randint(0, len(self), (size,), generator=g)
+        return {"input_ids": self.input_ids[idx], "labels": self.labels[idx],
+                "attention_mask": self.attention_mask[idx]}
+
+
+def split_train_eval(items, eval_fraction: float):
+    """Last ``eval_fraction`` of a token stream or example list is held out (at least one item)."""
+    n = len(items)
+    n_eval = max(1, int(round(n * eval_fraction)))
+    if n_eval >= n:
+        raise ValueError(f"cannot hold out {n_eval} of {n} items")
+    return items[: n - n_eval], items[n - n_eval :]
+
+
+def build_datasets(data: str | None, tok, seq_len: int, eval_fraction: float = 0.05,
+                   max_bytes: int = 4_000_000):
+    """(train, held_out, description) for the --data option.
+
+    None: Python standard library sources; *.txt: plain LM on the file; *.jsonl: SFT pairs.
+    """
+    if data is not None and data.endswith(".jsonl"):
+        train, held = split_train_eval(read_jsonl_pairs(data), eval_fraction)
+        return (SFTExamples(train, tok, seq_len), SFTExamples(held, tok, seq_len),
+                f"SFT {data}: {len(train)} train / {len(held)} held-out examples")
+    if data is None:
+        docs, name = stdlib_documents(max_bytes), "Python stdlib sources"
+    else:
+        docs, name = text_file_documents(data, max_bytes), data
+    train, held = split_train_eval(tokenize_documents(docs, tok), eval_fraction)
+    return (TokenStream(train, seq_len), TokenStream(held, seq_len),
+            f"LM {name}: {train.numel():,} train / {held.numel():,} held-out tokens")
+
+
+# --------------------------------------------------------------------------------------------
+# Slicing a global batch
+# --------------------------------------------------------------------------------------------
+
+
+def rank_slice(batch: dict, rank: int, world_size: int) -> dict:
+    """This rank's contiguous block of rows of the global batch."""
+    size = next(iter(batch.values())).shape[0]
+    if size % world_size:
+        raise ValueError(f"global batch of {size} rows does not divide over {world_size} ranks")
+    per = size // world_size
+    return {k: v[rank * per : (rank + 1) * per] for k, v in batch.items()}
+
+
+def micro_batches(batch: dict, accum_steps: int) -> list[dict]:
+    """Split a rank's rows into ``accum_steps`` equal micro-batches."""
+    size = next(iter(batch.values())).shape[0]
+    if size % accum_steps:
+        raise ValueError(f"{size} rows do not split into {accum_steps} micro-batches")
+    per = size // accum_steps
+    return [{k: v[i * per : (i + 1) * per] for k, v in batch.items()} for i in range(accum_steps)]

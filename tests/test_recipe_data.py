@@ -1,0 +1,159 @@
+"""Unit tests for the recipe helpers (recipes/data.py, recipes/schedule.py); no process group."""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
+
+import data  # noqa: E402
+from schedule import lr_at  # noqa: E402
+
+
+def test_byte_tokenizer_round_trip():
+    tok = data.ByteTokenizer()
+    text = "def f(x):\n    return x  # héllo, 世界 🙂"
+    ids = tok.encode(text)
+    assert all(0 <= i < 256 for i in ids)
+    assert tok.decode(ids) == text
+    assert tok.decode([tok.bos_id] + ids + [tok.eos_id, tok.pad_id]) == text
+    assert len({tok.pad_id, tok.bos_id, tok.eos_id}) == 3
+    assert min(tok.pad_id, tok.bos_id, tok.eos_id) >= 256 and tok.vocab_size == 259
+
+
+def test_tokenize_documents_wraps_each_document():
+    tok = data.ByteTokenizer()
+    stream = data.tokenize_documents(["ab", "c"], tok)
+    assert stream.tolist() == [tok.bos_id, 97, 98, tok.eos_id, tok.bos_id, 99, tok.eos_id]
+
+
+def test_stdlib_documents_deterministic_and_capped():
+    a = data.stdlib_documents(max_bytes=50_000)
+    b = data.stdlib_documents(max_bytes=50_000)
+    assert a == b and len(a) > 1
+    assert sum(len(d.encode("utf-8", errors="replace")) for d in a) <= 60_000  # replacement chars may grow
+    assert any("def " in d for d in a)
+
+
+def test_split_train_eval():
+    stream = torch.arange(1000)
+    train, held = data.split_train_eval(stream, 0.05)
+    assert len(held) == 50 and torch.equal(torch.cat([train, held]), stream)
+
+
+def _stream(n=5000, seq_len=16):
+    return data.TokenStream(torch.arange(n), seq_len)
+
+
+def test_batches_deterministic_for_seed_and_step():
+    ds = _stream()
+    a = ds.global_batch(seed=3, step=7, size=8)
+    b = ds.global_batch(seed=3, step=7, size=8)
+    assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["labels"], b["labels"])
+    assert not torch.equal(a["input_ids"], ds.global_batch(seed=3, step=8, size=8)["input_ids"])
+    assert not torch.equal(a["input_ids"], ds.global_batch(seed=4, step=7, size=8)["input_ids"])
+    eval_batch = ds.global_batch(seed=3, step=7, size=8, stream=data.EVAL_STREAM)
+    assert not torch.equal(a["input_ids"], eval_batch["input_ids"])
+
+
+def test_windows_are_contiguous_and_labels_match_inputs():
+    ds = _stream(seq_len=16)
+    batch = ds.global_batch(seed=0, step=0, size=32)
+    ids = batch["input_ids"]
+    assert ids.shape == (32, 16)
+    assert torch.equal(ids[:, 1:] - ids[:, :-1], torch.ones(32, 15, dtype=torch.long))
+    assert torch.equal(batch["labels"], ids)  # HF shifts labels itself
+    assert int(ids.max()) < 5000
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_rank_slices_partition_the_global_batch(world_size):
+    global_batch = _stream().global_batch(seed=1, step=0, size=4 * world_size)
+    slices = [data.rank_slice(global_batch, r, world_size) for r in range(world_size)]
+    for key in global_batch:
+        assert torch.equal(torch.cat([s[key] for s in slices]), global_batch[key])
+    # Disjoint rows: each rank owns its own block of row positions.
+    rows = torch.arange(4 * world_size)
+    row_sets = [set(data.rank_slice({"r": rows}, r, world_size)["r"].tolist()) for r in range(world_size)]
+    assert sum(len(s) for s in row_sets) == len(set().union(*row_sets)) == 4 * world_size
+
+
+def test_rank_slice_rejects_uneven_batch():
+    with pytest.raises(ValueError):
+        data.rank_slice({"x": torch.zeros(5, 2)}, 0, 2)
+
+
+def test_micro_batches_split_in_order():
+    batch = {"x": torch.arange(12).view(6, 2)}
+    micros = data.micro_batches(batch, 3)
+    assert len(micros) == 3 and all(m["x"].shape == (2, 2) for m in micros)
+    assert torch.equal(torch.cat([m["x"] for m in micros]), batch["x"])
+    with pytest.raises(ValueError):
+        data.micro_batches(batch, 4)
+
+
+def test_sft_label_masking_and_padding():
+    tok = data.ByteTokenizer()
+    ids, labels, mask = data.encode_sft_example(tok, "Q:", "ok", seq_len=10)
+    assert ids == [tok.bos_id, ord("Q"), ord(":"), ord("o"), ord("k"), tok.eos_id] + [tok.pad_id] * 4
+    assert labels == [-100, -100, -100, ord("o"), ord("k"), tok.eos_id] + [-100] * 4
+    assert mask == [1] * 6 + [0] * 4
+
+
+def test_sft_truncation():
+    tok = data.ByteTokenizer()
+    ids, labels, mask = data.encode_sft_example(tok, "prompt", "a long response", seq_len=9)
+    assert len(ids) == len(labels) == len(mask) == 9 and all(mask)
+    assert labels[:7] == [-100] * 7 and labels[7:] == [ord("a"), ord(" ")]
+
+
+def test_build_datasets_from_files(tmp_path):
+    tok = data.ByteTokenizer()
+    txt = tmp_path / "corpus.txt"
+    txt.write_text("hello world\n" * 200)
+    train, held, desc = data.build_datasets(str(txt), tok, seq_len=16, eval_fraction=0.1)
+    assert isinstance(train, data.TokenStream) and "LM" in desc
+    assert len(train) + len(held) == 200 * 12 + 2
+
+    jsonl = tmp_path / "sft.jsonl"
+    jsonl.write_text("\n".join(json.dumps({"prompt": f"q{i}", "response": f"a{i}"}) for i in range(20)) + "\n")
+    train, held, desc = data.build_datasets(str(jsonl), tok, seq_len=16, eval_fraction=0.1)
+    assert isinstance(train, data.SFTExamples) and (len(train), len(held)) == (18, 2)
+    batch = train.global_batch(seed=0, step=0, size=4)
+    assert set(batch) == {"input_ids", "labels", "attention_mask"}
+    masked = batch["labels"] == -100
+    assert torch.all(masked[batch["attention_mask"] == 0])  # padding never scored
+    assert torch.all(batch["input_ids"][~masked] == batch["labels"][~masked])
+
+
+def test_lr_schedule_shape():
+    kw = dict(lr=1e-3, warmup_steps=5, total_steps=50, min_lr_ratio=0.1)
+    lrs = [lr_at(s, **kw) for s in range(50)]
+    warm, decay = lrs[:5], lrs[4:]
+    assert all(a < b for a, b in zip(warm, warm[1:]))  # warmup rises
+    assert warm[0] == pytest.approx(1e-3 / 5) and warm[-1] == pytest.approx(1e-3)
+    assert all(a >= b for a, b in zip(decay, decay[1:]))  # cosine never rises
+    assert lrs[-1] == pytest.approx(1e-4)  # reaches the floor at the last step
+    assert min(lrs[5:]) >= 1e-4 - 1e-12
+    mid = 5 + (50 - 1 - 5) // 2
+    assert lrs[mid] == pytest.approx(1e-4 + 0.9e-3 * 0.5 * (1 + math.cos(math.pi * (mid - 5) / 44)))
+
+
+def test_lr_schedule_without_warmup():
+    lrs = [lr_at(s, lr=1.0, warmup_steps=0, total_steps=10, min_lr_ratio=0.0) for s in range(10)]
+    assert lrs[0] == pytest.approx(1.0) and lrs[-1] == pytest.approx(0.0)
+
+
+def test_finetune_config_from_command_line():
+    import finetune
+
+    cfg = finetune.parse_config(["--steps", "20", "--lr", "3e-4", "--param-dtype", "bf16",
+                                 "--model", "/some/path", "--micro_batch", "2"])
+    assert (cfg.steps, cfg.lr, cfg.param_dtype, cfg.model, cfg.micro_batch) == (20, 3e-4, "bf16", "/some/path", 2)
+    assert finetune.parse_config([]) == finetune.FinetuneConfig()
+    with pytest.raises(SystemExit):
+        finetune.parse_config(["--param-dtype", "fp8"])

@@ -49,6 +49,11 @@ class Comm:
         self.world = dist.get_world_size(self.group)
         self.backend = str(dist.get_backend(self.group))
         self.log = CollectiveLog()
+        # Sharding coordinates. Units are laid out and sharded over the *shard group* (``shard_world``
+        # ranks, this rank is ``shard_rank`` in it); ``replica_world`` shard groups hold identical
+        # copies (hybrid sharding). Without hybrid sharding the shard group is the whole group.
+        self.shard_rank, self.shard_world = self.rank, self.world
+        self.replica_rank, self.replica_world = 0, 1
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, unit: str):
         """Gather every rank's ``shard`` into ``out`` (``out.numel() == world * shard.numel()``)."""

@@ -11,7 +11,9 @@ from __future__ import annotations
 import io
 import multiprocessing as mp
 import os
+import queue as queue_mod
 import socket
+import time
 import traceback
 
 
@@ -60,18 +62,29 @@ def run_distributed(fn, world: int, *args, timeout: float = 240.0) -> list:
     results: dict[int, object] = {}
     errors: list[str] = []
     try:
-        for _ in range(world):
+        deadline = time.monotonic() + timeout
+        while len(results) < world and not errors:
             try:
-                rank, ok, payload = queue.get(timeout=timeout)
-            except Exception as e:  # queue.Empty
-                raise TimeoutError(f"a rank did not report within {timeout}s ({len(results)} of {world} did)") from e
+                rank, ok, payload = queue.get(timeout=0.5)
+            except queue_mod.Empty:
+                dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
+                if dead:
+                    time.sleep(1.0)  # its report may still be in flight
+                    if queue.empty():
+                        raise RuntimeError(
+                            "distributed run failed: " + ", ".join(f"rank {r} exited with code {c}" for r, c in dead)
+                            + " without reporting (killed, or crashed before the harness could catch it)"
+                        ) from None
+                    continue
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"a rank did not report within {timeout}s ({len(results)} of {world} did)") from None
+                continue
             if ok:
                 import torch
 
                 results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
             else:
                 errors.append(f"--- rank {rank} ---\n{payload}")
-                break
     finally:
         for p in procs:
             p.join(timeout=30 if not errors else 2)

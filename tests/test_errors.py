@@ -170,13 +170,14 @@ def test_empty_layer_list(pg):
         yashard.shard(model)
 
 
-def test_meta_parameters(pg):
+def test_partly_meta_model(pg):
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(tiny_config())
-    with pytest.raises(ValueError, match=r"parameter model\.embed_tokens\.weight is on the meta device; "
-                                         r"yashard\.shard needs materialised weights"):
+    model.lm_head.weight = nn.Parameter(torch.zeros(model.lm_head.weight.shape))
+    with pytest.raises(ValueError, match=r"parameter model\.embed_tokens\.weight is on the meta device but "
+                                         r"lm_head\.weight is not; build the whole model on the meta device"):
         yashard.shard(model)
 
 
@@ -372,3 +373,47 @@ def test_rejected_config_leaves_the_model_untouched(pg):
         yashard.shard(model, config=yashard.ShardConfig(checkpoint_layers=5))
     assert len(list(model.parameters())) == n
     assert not model._forward_pre_hooks
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading weights from a HuggingFace folder (yashard.shard(weights=...) / yashard.from_pretrained).
+
+
+def _meta(**overrides):
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(tiny_config(**overrides))
+
+
+def test_weights_folder_missing(pg, tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"weights='.*nowhere' is not a directory; pass a HuggingFace checkpoint folder"):
+        yashard.shard(_meta(), weights=tmp_path / "nowhere")
+
+
+def test_weights_folder_with_pickles_only(pg, tmp_path):
+    torch.save({"x": torch.zeros(1)}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(FileNotFoundError, match=r"has neither model\.safetensors nor model\.safetensors\.index\.json "
+                                                r"\(found: pytorch_model\.bin\)\. It holds pickled weights, which yashard "
+                                                r"never loads"):
+        yashard.shard(_meta(), weights=tmp_path)
+
+
+def test_weights_folder_of_another_model(pg, tmp_path):
+    build(hidden_size=48, num_hidden_layers=3).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"the weights in .* do not fit the model: 9 parameter\(s\) of the model are not "
+                                         r"in the folder \(model\.layers\.3\..*\) and 30 have other shapes "
+                                         r"\(model\.embed_tokens\.weight: folder \[96, 48\], model \[96, 32\];.*"
+                                         r"Build the model from the folder's own config\.json"):
+        yashard.shard(_meta(), weights=tmp_path)
+
+
+def test_weights_folder_with_a_truncated_file(pg, tmp_path):
+    build().save_pretrained(tmp_path)
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-1000])
+    with pytest.raises(ValueError, match=r"model\.safetensors: tensor '.*' claims bytes \[\d+, \d+\) but the data "
+                                         r"section holds \d+ bytes .* the file is truncated or corrupt"):
+        yashard.shard(_meta(), weights=tmp_path)
+    model = _meta()
+    assert all(p.is_meta for p in model.parameters())  # nothing was taken from the model

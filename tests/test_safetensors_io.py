@@ -30,3 +30,46 @@ def test_every_range_of_every_shape(tmp_path):
                 for hi in range(lo + 1, flat.numel() + 1):
                     got = read_flat_range(h, name, tuple(t.shape), lo, hi)
                     assert got.dtype == t.dtype and torch.equal(got, flat[lo:hi]), (name, lo, hi)
+
+
+def test_safetensors_file_reads_every_range_without_a_memory_map(tmp_path):
+    from yashard.safetensors_io import SafetensorsFile
+
+    g = torch.Generator().manual_seed(1)
+    tensors = {"mat": torch.randn(7, 5, generator=g), "half": torch.randn(13, generator=g).half(),
+               "bf": torch.randn(2, 9, generator=g).bfloat16(), "ids": torch.arange(6)}
+    path = tmp_path / "t.safetensors"
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    f = SafetensorsFile(path)
+    assert set(f.keys()) == set(tensors) and f.metadata == {"format": "pt"}
+    for name, t in tensors.items():
+        assert f.shape(name) == tuple(t.shape) and f.dtype(name) == t.dtype
+        flat = t.reshape(-1)
+        assert torch.equal(f.read(name), flat)
+        for lo in range(flat.numel() + 1):
+            for hi in range(lo, flat.numel() + 1):
+                assert torch.equal(f.read(name, lo, hi), flat[lo:hi]), (name, lo, hi)
+    with pytest.raises(ValueError, match=r"flat range \[3, 99\) is outside mat of shape \[7, 5\]"):
+        f.read("mat", 3, 99)
+
+
+def test_safetensors_file_rejects_broken_files(tmp_path):
+    import struct
+
+    from yashard.safetensors_io import SafetensorsError, SafetensorsFile
+
+    good = tmp_path / "good.safetensors"
+    save_file({"a": torch.ones(64), "b": torch.zeros(8, 8)}, str(good))
+    raw = good.read_bytes()
+    cases = {
+        "tiny": (b"\x01\x02", r"too short for a safetensors header"),
+        "huge_header": (struct.pack("<Q", 10**12) + b"{}", r"header length 1000000000000 does not fit the file"),
+        "not_json": (struct.pack("<Q", 4) + b"nope", r"the header is not valid JSON"),
+        "truncated": (raw[: len(raw) - 100], r"claims bytes \[\d+, \d+\) but the data section holds \d+ bytes"),
+        "pickle": (b"\x80\x04\x95" + b"\x00" * 40, r"does not fit the file|not valid JSON"),
+    }
+    for name, (data, pattern) in cases.items():
+        path = tmp_path / f"{name}.safetensors"
+        path.write_bytes(data)
+        with pytest.raises(SafetensorsError, match=pattern):
+            SafetensorsFile(path)

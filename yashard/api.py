@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.distributed as dist
@@ -87,13 +88,24 @@ class ShardedModel(nn.Module):
         return self._runtime.comm.log
 
 
-def shard(model: nn.Module, *, config: ShardConfig | None = None, process_group=None) -> ShardedModel:
+def shard(model: nn.Module, *, config: ShardConfig | None = None, process_group=None,
+          weights: str | os.PathLike | None = None) -> ShardedModel:
     """Shard every parameter of a HuggingFace decoder model across ``process_group``.
 
-    Every rank must call this with the same architecture. With ``config.sync_module_states`` (the
-    default) rank 0's weights are broadcast first. The original ``nn.Parameter`` objects are removed
-    from ``model``: build the optimizer from the returned model (``param_groups`` or
-    ``parameters()``) afterwards. The memory plan is logged at INFO level on rank 0.
+    Every rank must call this with the same architecture. Where the weights come from:
+
+    * ``weights=<HF folder>``: each rank reads only the rows of its shards from the folder's
+      safetensors files (the model may be on the meta device; no rank ever holds the full model);
+    * a model built on the meta device (``with torch.device("meta"): AutoModelForCausalLM.from_config(cfg)``):
+      the model's own initialisation runs one module at a time, drawing exactly the random numbers
+      that building it on the CPU draws, so the weights are bitwise those of the unsharded model
+      built with the same RNG state (rank 0's state, with ``sync_module_states``);
+    * a model with real weights: with ``config.sync_module_states`` (the default) rank 0's weights
+      are broadcast first, one unit at a time.
+
+    The original ``nn.Parameter`` objects are removed from ``model``: build the optimizer from the
+    returned model (``param_groups`` or ``parameters()``) afterwards. The memory plan is logged at
+    INFO level on rank 0.
     """
     if isinstance(model, ShardedModel):
         raise ValueError("model is already sharded by yashard; call yashard.shard once per model")
@@ -116,8 +128,21 @@ def shard(model: nn.Module, *, config: ShardConfig | None = None, process_group=
             f"the CPU device needs a gloo process group, but the group's backend is {comm.backend}: "
             "init the group with backend='gloo' (or 'cpu:gloo,cuda:nccl'), or pass a CUDA ShardConfig(device=...)"
         )
-    runtime = Runtime(model, spec, config, comm, device)
+    runtime = Runtime(model, spec, config, comm, device, weights=os.fspath(weights) if weights is not None else None)
     wrapped = ShardedModel(model, runtime)
     if comm.rank == 0:
         logger.info("%s", runtime.memory_plan())
     return wrapped
+
+
+def from_pretrained(path: str | os.PathLike, *, config: ShardConfig | None = None, process_group=None,
+                    **model_kwargs) -> ShardedModel:
+    """Build the HF causal LM of a local checkpoint folder on the meta device and shard it from the
+    folder's safetensors files; no rank ever holds the full model. ``model_kwargs`` go to
+    ``AutoModelForCausalLM.from_config`` (e.g. ``attn_implementation="sdpa"``)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_config = AutoConfig.from_pretrained(os.fspath(path))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, **{"dtype": torch.float32, **model_kwargs})
+    return shard(model, config=config, process_group=process_group, weights=path)

@@ -7,6 +7,7 @@ stated in :mod:`yashard.events`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -17,6 +18,7 @@ from torch import nn
 from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from . import materialize
 from .buffers import Slot
 from .collectives import Comm
 from .config import ShardConfig
@@ -42,8 +44,10 @@ def _is_diff_tensor(x) -> bool:
 class Runtime:
     """Owns units, slots, streams and hooks for one sharded model."""
 
-    def __init__(self, model: nn.Module, spec: ModelSpec, config: ShardConfig, comm: Comm, device: torch.device):
+    def __init__(self, model: nn.Module, spec: ModelSpec, config: ShardConfig, comm: Comm, device: torch.device,
+                 weights: str | None = None):
         self.model = model
+        self.weights = weights
         self.spec = spec
         self.config = config
         self.comm = comm
@@ -106,11 +110,6 @@ class Runtime:
                 if fqn not in rec[2]:
                     rec[2].append(fqn)
         for p, _, fqns in locations.values():
-            if p.is_meta:
-                raise ValueError(
-                    f"parameter {fqns[0]} is on the meta device; yashard.shard needs materialised weights "
-                    "(build the model on CPU, or load it with from_pretrained) in this version"
-                )
             if not p.is_floating_point():
                 raise ValueError(
                     f"parameter {fqns[0]} has dtype {p.dtype}; yashard shards floating-point parameters only: "
@@ -175,10 +174,10 @@ class Runtime:
             if numel > 0
         }
 
+        masters = self._materialise(groups, layouts)
         self.units: list[Unit] = []
         self.layers: list[Unit] = []
         self.embed = self.lm_head = self.small = None
-        rank = self.comm.rank
         for key, members in groups.items():
             layout = layouts[key]
             if key.startswith("layer_"):
@@ -188,14 +187,7 @@ class Runtime:
                 idx, kind, slot = -1, "small", self.slots["small"]
             else:
                 idx, kind, slot = -1, "outer", self.slots["outer"]
-            flat = torch.zeros(layout.padded, dtype=torch.float32, device=self.device)
-            for entry, (p, _, _) in zip(layout.entries, members):
-                flat[entry.offset : entry.end].copy_(p.detach().reshape(-1))
-            if cfg.sync_module_states and w > 1:
-                self.comm.broadcast(flat, 0, key)
-            lo, hi = layout.shard_range(rank)
-            master = nn.Parameter(flat[lo:hi].clone())
-            del flat
+            master = nn.Parameter(masters.pop(key))
             unit = Unit(
                 self, key, kind, idx, layout,
                 locations=[locs for _, locs, _ in members],
@@ -224,6 +216,53 @@ class Runtime:
             a.next_forward = b
         self.norm_group = NormGroup(self.small) if self.small else None
         self.model.to(self.device)  # moves the remaining buffers (rotary tables, ...)
+
+    def _materialise(self, groups, layouts) -> dict[str, torch.Tensor]:
+        """Every unit's fp32 master shard, from live weights, an HF folder or the model's own init."""
+        comm, cfg = self.comm, self.config
+        rank = comm.shard_rank
+        masters = {k: torch.zeros(layouts[k].shard_numel, dtype=torch.float32, device=self.device) for k in groups}
+        meta = materialize.is_meta_model(self.model)
+        if meta and self.weights is None:
+            live = [n for n, p in self.model.named_parameters() if not p.is_meta]
+            if live:
+                on_meta = next(n for n, p in self.model.named_parameters() if p.is_meta)
+                raise ValueError(
+                    f"parameter {on_meta} is on the meta device but {live[0]} is not; build the whole model on "
+                    "the meta device (yashard initialises it) or none of it, or pass weights=<HF folder>"
+                )
+        if self.weights is not None:
+            folder = materialize.HFFolder(self.weights)
+            materialize.from_folder(folder, groups, layouts, masters, rank)
+            materialize.load_buffers_from_folder(self.model, folder)
+            materialize.init_meta_buffers(self.model)
+        elif meta:
+            index = {id(p): (key, i) for key, members in groups.items() for i, (p, _, _) in enumerate(members)}
+            with self._rank0_rng():
+                materialize.from_init(self.model, groups, layouts, masters, rank, index)
+        else:
+            sync = cfg.sync_module_states and comm.world > 1
+            materialize.from_live(groups, layouts, masters, rank,
+                                  (lambda flat, key: comm.broadcast(flat, 0, key)) if sync else None)
+        return masters
+
+    @contextlib.contextmanager
+    def _rank0_rng(self):
+        """With ``sync_module_states``, initialise every rank from rank 0's CPU RNG state; the other
+        ranks get their own state back afterwards (rank 0's advances, as building the model would)."""
+        comm = self.comm
+        if not (self.config.sync_module_states and comm.world > 1):
+            yield
+            return
+        own = torch.get_rng_state()
+        state = own.clone().to(self.device)
+        comm.broadcast(state, 0, "rng_state")
+        torch.set_rng_state(state.cpu())
+        try:
+            yield
+        finally:
+            if comm.rank != 0:
+                torch.set_rng_state(own)
 
     def _install_hooks(self, spec: ModelSpec) -> None:
         model = self.model

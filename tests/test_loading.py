@@ -1,0 +1,109 @@
+"""Loading without full copies: meta-device models initialised in place, HF folders read shard-wise.
+
+* A model built on the meta device gets, through ``yashard.shard``, bitwise the weights (and
+  buffers, and RNG state afterwards) of the same model built on the CPU with the same seed.
+* ``weights=<HF folder>`` / ``yashard.from_pretrained`` read only each rank's rows and give the
+  folder's weights exactly (sharded index or single file, bf16 or fp32 files).
+* While the masters are filled, a rank's memory grows by its shards plus about one parameter, not
+  by the full model.
+"""
+
+import os
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from harness import run_distributed
+from loading_workers import loading_peak, shard_folder, shard_meta
+from models import build, tiny_config
+
+CASES = [("llama", {}), ("llama", {"tie_word_embeddings": True}), ("qwen2", {}),
+         ("qwen3", {"tie_word_embeddings": True}), ("mistral", {})]
+
+
+def _cpu_reference(family, overrides, seed):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides))
+    after = torch.rand(4)
+    params = {k: v.detach() for k, v in model.named_parameters(remove_duplicate=False)}
+    return params, after, dict(model.named_buffers())
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_meta_init_is_bitwise_the_cpu_build(world):
+    for family, overrides in CASES if world == 3 else CASES[:2]:
+        results = run_distributed(shard_meta, world, family, overrides, 7)
+        ref, ref_after, ref_buffers = _cpu_reference(family, overrides, 7)
+        for r, res in enumerate(results):
+            assert set(res["params"]) == set(ref), (family, sorted(set(res["params"]) ^ set(ref)))
+            bad = [k for k in ref if not torch.equal(res["params"][k], ref[k])]
+            assert not bad, (family, overrides, r, bad[:3])
+            assert all(torch.equal(res["buffers"][k], v) for k, v in ref_buffers.items())
+        # rank 0's RNG advanced exactly as building the model on the CPU advances it
+        assert torch.equal(results[0]["after"], ref_after), family
+
+
+def test_meta_init_gemma_style():
+    """Gemma: tied embeddings and norms initialised by the model's own _init_weights."""
+    from transformers import GemmaConfig
+
+    cfg = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+    torch.manual_seed(3)
+    ref = AutoModelForCausalLM.from_config(GemmaConfig(**cfg))
+    torch.manual_seed(3)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(GemmaConfig(**cfg))
+    from yashard.materialize import replay_initialisation
+
+    names = {}
+    for n, p in meta.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    got = {}
+    replay_initialisation(meta, lambda m, v: got.update({n: v.clone() for n in names[id(m)]}))
+    for n, p in ref.named_parameters(remove_duplicate=False):
+        assert torch.equal(got[n], p.detach()), n
+
+
+@pytest.fixture(scope="module")
+def hf_folders(tmp_path_factory):
+    """An HF folder written by save_pretrained: sharded (index.json) fp32, and a single bf16 file."""
+    root = tmp_path_factory.mktemp("hf")
+    model = build("qwen2", seed=11, tie_word_embeddings=True)
+    sharded = root / "sharded"
+    model.save_pretrained(sharded, max_shard_size="20KB")
+    single = root / "bf16"
+    model.to(torch.bfloat16).save_pretrained(single)
+    return model, str(sharded), str(single)
+
+
+def test_folder_loading_reads_the_folders_weights(hf_folders):
+    _, sharded, single = hf_folders
+    assert os.path.exists(os.path.join(sharded, "model.safetensors.index.json"))
+    assert len([f for f in os.listdir(sharded) if f.endswith(".safetensors")]) > 3
+    ref_model = AutoModelForCausalLM.from_pretrained(sharded)
+    ref = {k: v.detach() for k, v in ref_model.named_parameters(remove_duplicate=False)}
+    ids = torch.arange(12).reshape(2, 6) % 90
+    with torch.no_grad():
+        ref_logits = ref_model(input_ids=ids).logits
+    for world, use_fp in ((2, False), (3, True)):
+        for res in run_distributed(shard_folder, world, sharded, use_fp):
+            assert all(torch.equal(res["params"][k], ref[k]) for k in ref)
+            torch.testing.assert_close(res["logits"], ref_logits, rtol=1e-5, atol=1e-5)
+    # bf16 files: the fp32 masters hold exactly the bf16 values
+    res = run_distributed(shard_folder, 2, single, True)[0]
+    assert all(torch.equal(res["params"][k], ref[k].bfloat16().float()) for k in ref)
+
+
+def test_loading_peak_memory_is_shards_plus_one_parameter(tmp_path):
+    """Meta init and folder loading never hold the full model (~150 MB here) on a rank."""
+    shape = dict(vocab_size=4096, hidden_size=768, intermediate_size=2048, num_hidden_layers=6,
+                 num_attention_heads=12, num_key_value_heads=4)
+    folder = tmp_path / "big"
+    build("llama", seed=0, **shape).save_pretrained(folder)
+    for source in (None, str(folder)):
+        for res in run_distributed(loading_peak, 2, "llama", shape, source):
+            allowed = res["masters"] + 2 * res["largest"] + 8 * 2**20  # measured: masters + ~1.5 largest
+            assert res["peak"] <= allowed, (source, res)
+            assert res["peak"] < 0.75 * res["full"], (source, res)

@@ -1,0 +1,342 @@
+"""Filling the fp32 master shards: from live weights, from a HuggingFace folder, or by initialisation.
+
+:func:`yashard.shard` accepts three kinds of models, and no rank ever holds more of the full model
+than one parameter (meta model) or one unit (live model) at a time:
+
+* **live** weights (the model was built on the CPU or loaded): each unit is flattened, rank 0's
+  copy is broadcast (``sync_module_states``) and every rank keeps its shard;
+* a model on the **meta** device plus ``weights=<HF folder>``: every rank reads just the rows that
+  cover its shard from the safetensors files (:mod:`yashard.safetensors_io`); nothing is pickled;
+* a model on the **meta** device alone: the model's own initialisation is replayed parameter by
+  parameter, in the same order and with the same random draws as building it on the CPU, so the
+  weights are identical to ``torch.manual_seed(s); AutoModelForCausalLM.from_config(cfg)`` with the
+  same RNG state (see :func:`replay_initialisation`).
+
+Buffers the model built on the meta device (rotary tables) are computed by the model's own
+initialisation code; one left unset is an error, never garbage.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import json
+import math
+import os
+from contextlib import nullcontext
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .layout import FlatLayout, shard_pieces
+from .safetensors_io import SafetensorsFile
+
+# (unit key, entry index) of every parameter, by id(param)
+ParamIndex = dict[int, tuple[str, int]]
+
+
+def is_meta_model(model: nn.Module) -> bool:
+    """True when any parameter of ``model`` lives on the meta device."""
+    return any(p.is_meta for p in model.parameters())
+
+
+def _copy_pieces(master: torch.Tensor, layout: FlatLayout, rank: int, index: int, full: torch.Tensor) -> None:
+    """Copy this rank's pieces of entry ``index`` from the full flattened tensor ``full``."""
+    for piece in shard_pieces(layout, rank):
+        if piece.entry == index:
+            master[piece.shard_start : piece.shard_start + piece.numel].copy_(full[piece.entry_start : piece.entry_end])
+
+
+# ------------------------------------------------------------------------------------------ live
+def from_live(groups, layouts, masters, rank: int, broadcast: Callable[[torch.Tensor, str], None] | None) -> None:
+    """Masters from materialised parameters; ``broadcast(flat, unit)`` syncs rank 0's copy."""
+    for key, members in groups.items():
+        layout = layouts[key]
+        flat = torch.zeros(layout.padded, dtype=torch.float32, device=masters[key].device)
+        for entry, (p, _, _) in zip(layout.entries, members):
+            flat[entry.offset : entry.end].copy_(p.detach().reshape(-1))
+        if broadcast is not None:
+            broadcast(flat, key)
+        lo, hi = layout.shard_range(rank)
+        masters[key].copy_(flat[lo:hi])
+        del flat
+
+
+# ------------------------------------------------------------------------------------------ folder
+class HFFolder:
+    """The safetensors files of a HuggingFace checkpoint folder (headers read on first use)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        if not os.path.isdir(self.path):
+            raise FileNotFoundError(f"weights={self.path!r} is not a directory; pass a HuggingFace checkpoint folder")
+        index = os.path.join(self.path, "model.safetensors.index.json")
+        single = os.path.join(self.path, "model.safetensors")
+        self._files: dict[str, SafetensorsFile] = {}
+        if os.path.exists(index):
+            with open(index) as f:
+                try:
+                    weight_map = json.load(f)["weight_map"]
+                except (ValueError, KeyError, TypeError) as e:
+                    raise ValueError(f"{index} is not a safetensors index (no 'weight_map'): {e}") from None
+        elif os.path.exists(single):
+            weight_map = {k: "model.safetensors" for k in self._file("model.safetensors").keys()}
+        else:
+            found = sorted(os.listdir(self.path))
+            pickled = [f for f in found if f.endswith((".bin", ".pt", ".pth", ".pkl"))]
+            hint = (" It holds pickled weights, which yashard never loads (unpickling runs code): re-save them "
+                    "with save_pretrained(..., safe_serialization=True)." if pickled else "")
+            raise FileNotFoundError(
+                f"{self.path} has neither model.safetensors nor model.safetensors.index.json "
+                f"(found: {', '.join(found[:10]) or 'nothing'}).{hint}"
+            )
+        self.weight_map: dict[str, str] = weight_map
+
+    def _file(self, filename: str) -> SafetensorsFile:
+        if filename not in self._files:
+            self._files[filename] = SafetensorsFile(os.path.join(self.path, filename))
+        return self._files[filename]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._file(self.weight_map[name]).shape(name)
+
+    def read(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        return self._file(self.weight_map[name]).read(name, lo, hi)
+
+
+def from_folder(folder: HFFolder, groups, layouts, masters, rank: int) -> None:
+    """Masters from a HF folder: each rank reads only the rows that cover its shard."""
+    missing, wrong = [], []
+    plan = []
+    for key, members in groups.items():
+        layout = layouts[key]
+        for index, (entry, (_, _, fqns)) in enumerate(zip(layout.entries, members)):
+            name = next((n for n in fqns if n in folder.weight_map), None)
+            if name is None:
+                missing.append(" / ".join(fqns))
+                continue
+            stored = folder.shape(name)
+            if stored != entry.shape:
+                wrong.append(f"{name}: folder {list(stored)}, model {list(entry.shape)}")
+                continue
+            plan.append((key, index, name))
+    if missing or wrong:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} parameter(s) of the model are not in the folder ({', '.join(missing[:4])}"
+                         f"{', ...' if len(missing) > 4 else ''})")
+        if wrong:
+            parts.append(f"{len(wrong)} have other shapes ({'; '.join(wrong[:4])}{'; ...' if len(wrong) > 4 else ''})")
+        raise ValueError(
+            f"the weights in {folder.path} do not fit the model: {' and '.join(parts)}. Build the model from "
+            "the folder's own config.json (AutoConfig.from_pretrained(folder)) or use yashard.from_pretrained(folder)"
+        )
+    for key, index, name in plan:
+        layout = layouts[key]
+        entry = layout.entries[index]
+        for piece in shard_pieces(layout, rank):
+            if piece.entry == index:
+                part = folder.read(name, piece.entry_start, piece.entry_end)
+                masters[key][piece.shard_start : piece.shard_start + piece.numel].copy_(part)
+
+
+def load_buffers_from_folder(model: nn.Module, folder: HFFolder) -> set[str]:
+    """Persistent buffers stored in the folder are read from it; returns the names read."""
+    done = set()
+    for mod_name, module in model.named_modules():
+        for name, buf in module._buffers.items():
+            fqn = f"{mod_name}.{name}" if mod_name else name
+            if buf is None or name in module._non_persistent_buffers_set or fqn not in folder.weight_map:
+                continue
+            shape = tuple(buf.shape)
+            value = folder.read(fqn, 0, math.prod(shape)).view(shape).to(buf.dtype)
+            module._buffers[name] = value
+            done.add(fqn)
+    return done
+
+
+# ------------------------------------------------------------------------------------------ init
+def _pretrained_model_class():
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return ()
+    return PreTrainedModel
+
+
+def _hf_init_fn(module: nn.Module):
+    """``module._initialize_weights`` as a one-argument callable, for HF models; else None."""
+    if not isinstance(module, _pretrained_model_class()):
+        return None
+    f = module._initialize_weights
+    if len(inspect.signature(f).parameters) >= 2:  # transformers 5.x: (module, is_custom_code)
+        custom = type(module).is_custom_code() if hasattr(type(module), "is_custom_code") else False
+        return lambda mod: f(mod, custom)
+    return f
+
+
+def _init_guard():
+    """HF's guard that makes ``torch.nn.init`` respect ``_is_hf_initialized`` (5.x); else nothing."""
+    try:
+        from transformers import initialization as hf_init
+
+        return hf_init.guard_torch_init_functions()
+    except (ImportError, AttributeError):
+        return nullcontext()
+
+
+def _own_reset(module: nn.Module):
+    """``reset_parameters`` of a module that owns parameters (``nn.Linear``, ``nn.Embedding``, ...)."""
+    if not any(p is not None for p in module._parameters.values()):
+        return None
+    return getattr(type(module), "reset_parameters", None)
+
+
+class _Replay:
+    """Replays, parameter by parameter, what building a model on the CPU does to it and to the RNG.
+
+    Building an HF model runs, for every module in registration order, its constructor: children
+    first, then its own ``reset_parameters`` draw (``nn.Linear``, ``nn.Embedding``), and for every
+    ``PreTrainedModel`` (the inner ``LlamaModel`` too) at the end of its constructor ``post_init``:
+    HF's initialisation of every not-yet-initialised module of its subtree, children first. Here
+    the constructor draws are made into scratch memory (recording the RNG state before each), and
+    each module is materialised only when its HF initialisation runs: its parameters first get
+    their constructor values back (replayed from the recorded RNG state), then the HF
+    initialisation overwrites what it initialises, exactly as on the CPU.
+    """
+
+    def __init__(self, model: nn.Module, on_param):
+        self.model = model
+        self.on_param = on_param
+        self.snapshots: dict[int, torch.Tensor] = {}   # id(module) -> RNG state before its reset
+        self.done: set[int] = set()                    # modules whose final values are delivered
+        self.delivered: set[int] = set()               # id(meta param) already handed out
+        self.unset: list[str] = []
+        self.names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+
+    def run(self) -> None:
+        with torch.no_grad(), _init_guard():
+            self.construct(self.model)
+            # Modules outside any HF model (plain torch models): their constructor values are final.
+            for module in self.model.modules():
+                if id(module) not in self.done:
+                    self.finalise(module, None)
+        if self.unset:
+            raise ValueError(
+                f"{', '.join(self.unset[:4])} of the meta-device model are set by no initialisation (no "
+                "reset_parameters, not an HF-initialised module); build the model on the CPU, or pass "
+                "weights=<HF folder> to yashard.shard"
+            )
+
+    def construct(self, module: nn.Module) -> None:
+        for child in module.children():
+            self.construct(child)
+        reset = _own_reset(module)
+        if reset is not None and any(p.is_meta for p in module._parameters.values() if p is not None):
+            self.snapshots[id(module)] = torch.get_rng_state()
+            scratch = copy.copy(module)
+            scratch._parameters = {n: (nn.Parameter(torch.empty(p.shape, dtype=p.dtype)) if p is not None else None)
+                                   for n, p in module._parameters.items()}
+            reset(scratch)
+        fn = _hf_init_fn(module)
+        if fn is not None:
+            self.hf_init(module, fn)
+
+    def hf_init(self, module: nn.Module, fn) -> None:
+        for child in module.children():
+            self.hf_init(child, _hf_init_fn(child) or fn)
+        if id(module) not in self.done:
+            self.finalise(module, fn)
+
+    def finalise(self, module: nn.Module, fn) -> None:
+        """Materialise ``module``'s own tensors, give them their final values, deliver, drop."""
+        self.done.add(id(module))
+        name = self.names.get(id(module), type(module).__name__)
+        for bname, b in module._buffers.items():
+            if b is not None and b.is_meta:
+                fresh = torch.empty(b.shape, dtype=b.dtype)
+                if fresh.is_floating_point():
+                    fresh.fill_(float("nan"))
+                module._buffers[bname] = fresh
+        metas = {n: p for n, p in module._parameters.items() if p is not None and p.is_meta}
+        for pname, meta in metas.items():
+            fresh = torch.empty(meta.shape, dtype=meta.dtype)
+            if fresh.is_floating_point():
+                fresh.fill_(float("nan"))
+            module._parameters[pname] = nn.Parameter(fresh, requires_grad=meta.requires_grad)
+        if metas and id(module) in self.snapshots:  # the constructor's values, from its RNG state
+            now = torch.get_rng_state()
+            torch.set_rng_state(self.snapshots[id(module)])
+            _own_reset(module)(module)
+            torch.set_rng_state(now)
+        if fn is not None:
+            if hasattr(module, "_is_hf_initialized"):
+                del module._is_hf_initialized
+            fn(module)
+        for pname, meta in metas.items():
+            value = module._parameters[pname].detach()
+            module._parameters[pname] = meta
+            if id(meta) in self.delivered:
+                continue  # tied: the first module to initialise it wins (HF ties after initialising)
+            if value.is_floating_point() and torch.isnan(value).any():
+                self.unset.append(f"parameter {name}.{pname}")
+                continue
+            self.delivered.add(id(meta))
+            self.on_param(meta, value)
+        for bname, b in module._buffers.items():
+            if b is not None and b.is_floating_point() and torch.isnan(b).any():
+                self.unset.append(f"buffer {name}.{bname}")
+
+
+def replay_initialisation(model: nn.Module, on_param: Callable[[nn.Parameter, torch.Tensor], None]) -> None:
+    """Initialise a meta-device model one module at a time, exactly as building it on the CPU would.
+
+    Contract: the global CPU RNG is consumed exactly as by ``from_config`` on the CPU, and every
+    parameter gets bitwise the value it would have there (see :class:`_Replay` for the order).
+    ``on_param(meta_param, value)`` receives each parameter once, right after its module was
+    initialised; the value is dropped afterwards, so memory peaks at one module. Meta buffers
+    (rotary tables) are materialised on the CPU and kept. A parameter or buffer that no
+    initialisation sets raises, naming it. Parameters stay on the meta device.
+    """
+    _Replay(model, on_param).run()
+
+
+def from_init(model: nn.Module, groups, layouts, masters, rank: int, index: ParamIndex) -> None:
+    """Masters by replaying the model's own initialisation (see :func:`replay_initialisation`)."""
+
+    def on_param(meta: nn.Parameter, value: torch.Tensor) -> None:
+        key, i = index[id(meta)]
+        _copy_pieces(masters[key], layouts[key], rank, i, value.reshape(-1).to(torch.float32))
+
+    replay_initialisation(model, on_param)
+
+
+def init_meta_buffers(model: nn.Module) -> None:
+    """Compute the meta buffers (rotary tables) of a model whose parameters come from elsewhere.
+
+    Runs the model's own initialisation on the modules that hold meta buffers, with scratch
+    parameters whose values are discarded (draws included), so only the buffers are kept.
+    """
+    holders = [m for m in model.modules() if any(b is not None and b.is_meta for b in m._buffers.values())]
+    if not holders:
+        return
+    state = torch.get_rng_state()
+    owner_fn = {}
+    def walk(module, fn):
+        for child in module.children():
+            walk(child, _hf_init_fn(child) or fn)
+        owner_fn[id(module)] = fn
+    walk(model, _hf_init_fn(model))
+    replay = _Replay(model, lambda meta, value: None)
+    with torch.no_grad(), _init_guard():
+        for module in holders:
+            replay.finalise(module, owner_fn[id(module)])
+    torch.set_rng_state(state)
+    if replay.unset:
+        unset = [u for u in replay.unset if u.startswith("buffer")]
+        if unset:
+            raise ValueError(
+                f"{', '.join(unset[:4])} of the meta-device model are set by no initialisation; build the "
+                "model on the CPU (or materialise those buffers) before yashard.shard"
+            )

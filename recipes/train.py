@@ -175,11 +175,12 @@ def load_hf_config(path: str):
     return AutoConfig.from_pretrained(path)
 
 
-def _check_vocab(hf_model, tok, source: str) -> None:
-    rows = hf_model.get_input_embeddings().weight.shape[0]
-    if tok.vocab_size > rows:
-        raise ValueError(f"the tokenizer has {tok.vocab_size} ids but {source} has a vocabulary of {rows}: "
-                         "pass the model's tokenizer with --tokenizer (or a config with a larger vocab_size)")
+def _check_vocab(hf_config, tok, source: str) -> None:
+    text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    if tok.vocab_size > text_config.vocab_size:
+        raise ValueError(f"the tokenizer has {tok.vocab_size} ids but {source} has a vocabulary of "
+                         f"{text_config.vocab_size}: pass the model's tokenizer with --tokenizer "
+                         "(or a config with a larger vocab_size)")
 
 
 def build_model(cfg: TrainConfig, tok):
@@ -187,24 +188,22 @@ def build_model(cfg: TrainConfig, tok):
 
     The source is the first of these the config has and sets: ``model`` (a local HF checkpoint
     folder, loaded in fp32), ``config`` (an HF config.json, random init) or ``model_size`` (a
-    ``MODEL_SIZES`` preset, random init); with none, the "tiny" preset.
+    ``MODEL_SIZES`` preset, random init); with none, the "tiny" preset. The model's vocabulary
+    must cover the tokenizer's ids (checked on the config, before any weights are made).
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(cfg.seed)
     if getattr(cfg, "model", None) is not None:
+        _check_vocab(AutoConfig.from_pretrained(cfg.model), tok, f"--model {cfg.model}")
         # dtype= is the current name of from_pretrained's torch_dtype argument.
-        model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
-        source = f"--model {cfg.model}"
-    elif getattr(cfg, "config", None) is not None:
-        model = AutoModelForCausalLM.from_config(load_hf_config(cfg.config)).float()
-        source = f"--config {cfg.config}"
-    else:
-        size = getattr(cfg, "model_size", None) or "tiny"
-        model = AutoModelForCausalLM.from_config(preset_config(size, tok, cfg.seq_len)).float()
-        source = f"--model-size {size}"
-    _check_vocab(model, tok, source)
-    return model
+        return AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
+    if getattr(cfg, "config", None) is not None:
+        hf_config = load_hf_config(cfg.config)
+        _check_vocab(hf_config, tok, f"--config {cfg.config}")
+        return AutoModelForCausalLM.from_config(hf_config).float()
+    size = getattr(cfg, "model_size", None) or "tiny"
+    return AutoModelForCausalLM.from_config(preset_config(size, tok, cfg.seq_len)).float()
 
 
 def describe_model(cfg: TrainConfig) -> str:

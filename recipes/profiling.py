@@ -88,7 +88,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     """Profile, export trace_rank{r}.json, and return every rank's summary (on rank 0; [] elsewhere)."""
     cfg = parse_config(argv)
     session = train.setup(cfg)
-    session.out_dir.mkdir(parents=True, exist_ok=True)  # rank 0 made it; another rank may be first here
     trace_path = session.out_dir / f"trace_rank{session.rank}.json"
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if session.device.type == "cuda" else [])

@@ -124,7 +124,9 @@ def summarize_trace(trace: dict) -> dict:
     ``prof.step()`` was called). See the module docstring for the definitions.
     """
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
-    steps = [e for e in events if str(e.get("name", "")).startswith("ProfilerStep#")]
+    # Host ranges only: on CUDA the profiler mirrors labels onto the GPU timeline (gpu_user_annotation).
+    steps = [e for e in events if str(e.get("name", "")).startswith("ProfilerStep#")
+             and not str(e.get("cat", "")).startswith("gpu_")]
     if not steps:
         raise ValueError("the trace has no ProfilerStep# ranges: profile with a schedule and call prof.step() each step")
     main = (steps[0]["pid"], steps[0]["tid"])  # the training thread

@@ -103,21 +103,27 @@ def parse_config(cls: type, argv: list[str] | None = None, description: str | No
     """An instance of the config dataclass ``cls`` from the command line.
 
     Every field becomes ``--field-name`` (``--field_name`` also works) with the field's default,
-    type (``X | None`` parses as X) and ``metadata["help"]`` / ``metadata["choices"]``. Invalid
-    combinations (``cls.validate``) exit with a usage error, as argparse does.
+    type (``X | None`` parses as X) and ``metadata["help"]`` / ``metadata["choices"]``; the
+    recipe's own fields are listed first. Invalid combinations (``cls.validate``) exit with a
+    usage error, as argparse does.
     """
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
+    shared = {f.name for f in dataclasses.fields(TrainConfig)}
+    fields = dataclasses.fields(cls)
+    for f in [f for f in fields if f.name not in shared] + [f for f in fields if f.name in shared]:
         tp = hints[f.name]
         args = [t for t in typing.get_args(tp) if t is not type(None)]
         if args:  # Optional[X] / X | None
             tp = args[0]
-        kwargs = dict(default=f.default, help=f"{f.metadata.get('help', '')} (default: {f.default})")
-        kwargs["type"] = _parse_bool if tp is bool else tp
+        text = f.metadata.get("help", "")
+        if "default" not in text:
+            text += f" (default: {f.default})"
+        kwargs = dict(default=f.default, help=text, type=_parse_bool if tp is bool else tp)
         if "choices" in f.metadata:
             kwargs["choices"] = f.metadata["choices"]
-        parser.add_argument(f"--{f.name.replace('_', '-')}", f"--{f.name}", dest=f.name, **kwargs)
+        names = dict.fromkeys([f"--{f.name.replace('_', '-')}", f"--{f.name}"])  # one name if no "_"
+        parser.add_argument(*names, dest=f.name, **kwargs)
     cfg = cls(**vars(parser.parse_args(argv)))
     try:
         cfg.validate()
@@ -278,8 +284,8 @@ def setup(cfg: TrainConfig) -> Session:
     start_step = 0
 
     out_dir = Path(cfg.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)  # every rank: profiling writes one trace per rank
     if is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.json").write_text(json.dumps({**dataclasses.asdict(cfg), "world_size": world_size}, indent=2))
         print(f"model: {describe_model(cfg)} ({n_params / 1e6:.2f}M params), "
               f"tokenizer: {tok_path or 'byte-level'}, data: {data_desc}")

@@ -287,6 +287,8 @@ def test_summarize_cpu_trace_by_hand():
 def test_summarize_cuda_trace_by_hand():
     events = [
         _x("ProfilerStep#1", 0, 100, cat="user_annotation"),
+        _x("ProfilerStep#1", 5, 120, tid=7, cat="gpu_user_annotation", pid=0),  # GPU mirror: not a step
+        _x("yashard::forward", 5, 50, tid=7, cat="gpu_user_annotation", pid=0),
         _x("cudaLaunchKernel", 0, 5, cat="cuda_runtime"),
         _x("ampere_sgemm_128x64_nn", 0, 30, tid=7, cat="kernel", pid=0),
         _x("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 10, 40, tid=20, cat="kernel", pid=0),
@@ -300,6 +302,7 @@ def test_summarize_cuda_trace_by_hand():
     assert s["comm_ms"] == pytest.approx(0.070)      # [10,50) + [70,100) (clipped to the step)
     assert s["exposed_comm_ms"] == pytest.approx(0.040)  # [30,50) + [80,100)
     assert s["memory_peak_mb"] == pytest.approx(5.0)
+    assert s["wall_ms"] == pytest.approx(0.100) and s["stages_ms"]["yashard::forward"] == 0.0
 
 
 def test_summarize_trace_needs_profiler_steps():

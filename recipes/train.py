@@ -1,0 +1,518 @@
+"""The training loop the recipes share: setup, loop, outputs.
+
+recipes/finetune.py, recipes/pretrain.py and recipes/profiling.py are each a config dataclass
+(a subclass of :class:`TrainConfig`), command-line overrides (:func:`parse_config`) and a call
+into this module:
+
+    session = setup(cfg)            # process group, tokenizer, data, model, yashard.shard, AdamW
+    history = train_loop(session)   # steps session.start_step .. cfg.steps-1, eval, log.jsonl
+    write_outputs(session, history) # final/ (HF checkpoint folder), loss.png, summary line
+    shutdown()
+
+Every batch is a pure function of (seed, step) (recipes/data.py) and so is the learning rate
+(recipes/schedule.py): a run that starts at step k trains exactly as an uninterrupted run does
+from step k on, given the same weights and optimizer state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import socket
+import sys
+import time
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+from tqdm import tqdm
+
+import yashard
+from data import EVAL_STREAM, build_datasets, load_tokenizer, micro_batches, rank_slice
+from schedule import lr_at
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+# Llama shapes for random-init models (--model-size). Parameter counts with the 259-id byte
+# tokenizer; a real tokenizer adds 2 * vocab * hidden (untied embedding and lm_head).
+MODEL_SIZES = {
+    "tiny": dict(hidden_size=128, intermediate_size=352, num_hidden_layers=4,  # 0.8M: CPU
+                 num_attention_heads=4, num_key_value_heads=2),
+    "small": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=8,  # 6M: CPU, slow
+                  num_attention_heads=8, num_key_value_heads=4),
+    "base": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,  # 76M: GPU
+                 num_attention_heads=12, num_key_value_heads=4),
+}
+
+
+@dataclass
+class TrainConfig:
+    """Options every recipe shares; each recipe subclasses it to add its model source and defaults."""
+
+    tokenizer: str | None = field(default=None, metadata={"help": "local HF tokenizer folder (default: the model's, else byte-level)"})
+    data: str | None = field(default=None, metadata={"help": ".txt (plain LM) or .jsonl {prompt, response} (SFT); default: Python stdlib sources"})
+    max_bytes: int = field(default=4_000_000, metadata={"help": "cap on text bytes read for stdlib / .txt data"})
+    eval_fraction: float = field(default=0.05, metadata={"help": "fraction of the data held out for eval"})
+    steps: int = field(default=30, metadata={"help": "optimizer steps"})
+    micro_batch: int = field(default=4, metadata={"help": "sequences per rank per forward/backward"})
+    accum_steps: int = field(default=1, metadata={"help": "gradient accumulation micro-steps per optimizer step"})
+    seq_len: int = field(default=128, metadata={"help": "tokens per sequence"})
+    lr: float = field(default=2e-3, metadata={"help": "peak learning rate"})
+    warmup_steps: int = field(default=5, metadata={"help": "linear warmup steps"})
+    min_lr_ratio: float = field(default=0.1, metadata={"help": "cosine decays to min_lr_ratio * lr"})
+    weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay (matrices only)"})
+    clip: float = field(default=1.0, metadata={"help": "global grad-norm clip (<= 0: no clipping)"})
+    param_dtype: str = field(default="fp32", metadata={"help": "compute dtype", "choices": tuple(DTYPES)})
+    checkpoint_layers: int = field(default=0, metadata={"help": "decoder layers with activation checkpointing"})
+    eval_every: int = field(default=10, metadata={"help": "eval every N steps (<= 0: only at the end)"})
+    eval_batches: int = field(default=4, metadata={"help": "held-out batches (micro_batch per rank) per eval"})
+    seed: int = field(default=0, metadata={"help": "seed for model init and batch sampling"})
+    out_dir: str = field(default="runs/train", metadata={"help": "where logs, plot and checkpoint go"})
+    log_every: int = field(default=1, metadata={"help": "write a log line / refresh the bar every N steps"})
+
+    def validate(self) -> None:
+        """Raise ValueError naming the bad option(s) and the fix."""
+        if self.steps < 1 or self.micro_batch < 1 or self.accum_steps < 1 or self.seq_len < 2:
+            raise ValueError("steps, micro_batch and accum_steps must be >= 1 and seq_len >= 2")
+        chosen = [f"--{name.replace('_', '-')} {getattr(self, name)}"
+                  for name in ("model", "config", "model_size") if getattr(self, name, None) is not None]
+        if len(chosen) > 1:
+            raise ValueError(f"{' and '.join(chosen)} each choose the model: pass only one of them")
+
+
+# --------------------------------------------------------------------------------------------
+# Command line: one --flag per config field
+# --------------------------------------------------------------------------------------------
+
+
+def _parse_bool(s: str) -> bool:
+    if s.lower() in ("1", "true", "yes", "on"):
+        return True
+    if s.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean, got {s!r}")
+
+
+def parse_config(cls: type, argv: list[str] | None = None, description: str | None = None):
+    """An instance of the config dataclass ``cls`` from the command line.
+
+    Every field becomes ``--field-name`` (``--field_name`` also works) with the field's default,
+    type (``X | None`` parses as X) and ``metadata["help"]`` / ``metadata["choices"]``; the
+    recipe's own fields are listed first. Invalid combinations (``cls.validate``) exit with a
+    usage error, as argparse does.
+    """
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    hints = typing.get_type_hints(cls)
+    shared = {f.name for f in dataclasses.fields(TrainConfig)}
+    fields = dataclasses.fields(cls)
+    for f in [f for f in fields if f.name not in shared] + [f for f in fields if f.name in shared]:
+        tp = hints[f.name]
+        args = [t for t in typing.get_args(tp) if t is not type(None)]
+        if args:  # Optional[X] / X | None
+            tp = args[0]
+        text = f.metadata.get("help", "")
+        if "default" not in text:
+            text += f" (default: {f.default})"
+        kwargs = dict(default=f.default, help=text, type=_parse_bool if tp is bool else tp)
+        if "choices" in f.metadata:
+            kwargs["choices"] = f.metadata["choices"]
+        names = dict.fromkeys([f"--{f.name.replace('_', '-')}", f"--{f.name}"])  # one name if no "_"
+        parser.add_argument(*names, dest=f.name, **kwargs)
+    cfg = cls(**vars(parser.parse_args(argv)))
+    try:
+        cfg.validate()
+    except ValueError as e:
+        parser.error(str(e))
+    return cfg
+
+
+# --------------------------------------------------------------------------------------------
+# Setup
+# --------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> tuple[int, int, torch.device]:
+    """Join the torchrun group, or make a 1-process group when started with plain ``python``."""
+    if "RANK" not in os.environ:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+                          WORLD_SIZE="1", RANK="0", LOCAL_RANK="0")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    dist.init_process_group(backend=backend)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def preset_config(size: str, tok, seq_len: int):
+    """The ``LlamaConfig`` of a ``MODEL_SIZES`` preset, with the tokenizer's vocabulary and ids."""
+    from transformers import LlamaConfig
+
+    if size not in MODEL_SIZES:
+        raise ValueError(f"unknown model size {size!r}; choose one of {', '.join(MODEL_SIZES)}")
+    return LlamaConfig(
+        vocab_size=tok.vocab_size, max_position_embeddings=max(256, seq_len), tie_word_embeddings=False,
+        bos_token_id=tok.bos_id, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id, **MODEL_SIZES[size],
+    )
+
+
+def load_hf_config(path: str):
+    """An HF config from a config.json file or a folder holding one (``--config``)."""
+    from transformers import AutoConfig
+
+    p = Path(path)
+    if not (p.is_file() or (p / "config.json").is_file()):
+        raise FileNotFoundError(f"--config {path}: no such file, and no folder with a config.json; "
+                                "pass an HF config.json or the folder that holds it")
+    return AutoConfig.from_pretrained(path)
+
+
+def _check_vocab(hf_config, tok, source: str) -> None:
+    text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    if tok.vocab_size > text_config.vocab_size:
+        raise ValueError(f"the tokenizer has {tok.vocab_size} ids but {source} has a vocabulary of "
+                         f"{text_config.vocab_size}: pass the model's tokenizer with --tokenizer "
+                         "(or a config with a larger vocab_size)")
+
+
+def build_model(cfg: TrainConfig, tok):
+    """The HF model, identical on every rank (yashard also broadcasts rank 0's weights).
+
+    The source is the first of these the config has and sets: ``model`` (a local HF checkpoint
+    folder, loaded in fp32), ``config`` (an HF config.json, random init) or ``model_size`` (a
+    ``MODEL_SIZES`` preset, random init); with none, the "tiny" preset. The model's vocabulary
+    must cover the tokenizer's ids (checked on the config, before any weights are made).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(cfg.seed)
+    if getattr(cfg, "model", None) is not None:
+        _check_vocab(AutoConfig.from_pretrained(cfg.model), tok, f"--model {cfg.model}")
+        # dtype= is the current name of from_pretrained's torch_dtype argument.
+        return AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
+    if getattr(cfg, "config", None) is not None:
+        hf_config = load_hf_config(cfg.config)
+        _check_vocab(hf_config, tok, f"--config {cfg.config}")
+        return AutoModelForCausalLM.from_config(hf_config).float()
+    size = getattr(cfg, "model_size", None) or "tiny"
+    return AutoModelForCausalLM.from_config(preset_config(size, tok, cfg.seq_len)).float()
+
+
+def describe_model(cfg: TrainConfig) -> str:
+    if getattr(cfg, "model", None) is not None:
+        return cfg.model
+    if getattr(cfg, "config", None) is not None:
+        return f"random init from {cfg.config}"
+    return f"random {getattr(cfg, 'model_size', None) or 'tiny'} Llama"
+
+
+def _has_tokenizer_files(path: str) -> bool:
+    return any((Path(path) / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+
+
+@dataclass
+class Session:
+    """Everything the loop needs, made once by :func:`setup`."""
+
+    cfg: TrainConfig
+    rank: int
+    world_size: int
+    device: torch.device
+    tok: object
+    train_data: object
+    held_out: object
+    hf_model: torch.nn.Module
+    model: yashard.ShardedModel
+    opt: torch.optim.Optimizer
+    out_dir: Path
+    global_batch: int
+    tokens_per_step: int
+    start_step: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def setup(cfg: TrainConfig) -> Session:
+    """Process group, tokenizer, data, model, sharding and optimizer; prints the run's header."""
+    rank, world_size, device = init_distributed()
+    is_main = rank == 0
+    if not is_main:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()  # one copy of HF warnings, from rank 0
+
+    tok_path = cfg.tokenizer
+    model_path = getattr(cfg, "model", None)
+    if tok_path is None and model_path is not None and _has_tokenizer_files(model_path):
+        tok_path = model_path
+    tok = load_tokenizer(tok_path)
+    train_data, held_out, data_desc = build_datasets(cfg.data, tok, cfg.seq_len, cfg.eval_fraction, cfg.max_bytes)
+
+    hf_model = build_model(cfg, tok)
+    n_params = sum(p.numel() for p in hf_model.parameters())
+    model = yashard.shard(hf_model, config=yashard.ShardConfig(
+        param_dtype=DTYPES[cfg.param_dtype], reduce_dtype=torch.float32,
+        checkpoint_layers=cfg.checkpoint_layers))
+    opt = torch.optim.AdamW(model.param_groups(weight_decay=cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95))
+
+    # Each optimizer step consumes one global batch of micro_batch * accum_steps * world_size
+    # sequences; this rank takes micro_batch * accum_steps of them, in accum_steps micro-batches.
+    # Tokens per step = global batch * seq_len (input positions, padding included for SFT).
+    global_batch = cfg.micro_batch * cfg.accum_steps * world_size
+    tokens_per_step = global_batch * cfg.seq_len
+
+    # Resume goes here: load the last sharded checkpoint under out_dir (master shards and
+    # optimizer state) and set start_step to the step it was saved after. Nothing else changes:
+    # the loop starts at session.start_step, batches and learning rates are pure functions of
+    # (seed, step), and log.jsonl is appended to when start_step > 0.
+    start_step = 0
+
+    out_dir = Path(cfg.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)  # every rank: profiling writes one trace per rank
+    if is_main:
+        (out_dir / "config.json").write_text(json.dumps({**dataclasses.asdict(cfg), "world_size": world_size}, indent=2))
+        print(f"model: {describe_model(cfg)} ({n_params / 1e6:.2f}M params), "
+              f"tokenizer: {tok_path or 'byte-level'}, data: {data_desc}")
+        print(f"world size {world_size} on {device}, param dtype {cfg.param_dtype}, global batch "
+              f"{global_batch} x {cfg.seq_len} = {tokens_per_step:,} tokens/step")
+        print(model.memory_plan())
+    return Session(cfg, rank, world_size, device, tok, train_data, held_out, hf_model, model, opt,
+                   out_dir, global_batch, tokens_per_step, start_step)
+
+
+# --------------------------------------------------------------------------------------------
+# Loop
+# --------------------------------------------------------------------------------------------
+
+
+def memory_mb(device: torch.device) -> float:
+    """Peak CUDA allocation on GPU; on CPU the process's resident set size (VmRSS)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024  # kB -> MB
+    except OSError:
+        pass
+    import resource  # no /proc (macOS): peak RSS instead, in bytes there
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def _to(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+@torch.no_grad()
+def evaluate(s: Session) -> float:
+    """Mean loss over cfg.eval_batches fixed held-out batches, averaged over all ranks."""
+    cfg = s.cfg
+    s.model.eval()
+    total = torch.zeros((), device=s.device)
+    for i in range(cfg.eval_batches):
+        # The same batches at every eval (the step index is the batch number of a separate stream).
+        batch = s.held_out.global_batch(cfg.seed, i, cfg.micro_batch * s.world_size, stream=EVAL_STREAM)
+        out = s.model(**_to(rank_slice(batch, s.rank, s.world_size), s.device), use_cache=False)
+        total += out.loss.float()
+    dist.all_reduce(total)
+    s.model.train()
+    return total.item() / (cfg.eval_batches * s.world_size)
+
+
+def train_loop(s: Session, profiler=None) -> list[dict]:
+    """Optimizer steps ``s.start_step .. cfg.steps - 1``; returns one record per step.
+
+    Each stage of a step runs under a ``record_function`` label (``yashard::data``, ``forward``,
+    ``backward``, ``clip_grad_norm``, ``optimizer_step``, ``loss_all_reduce``); ``profiler.step()``
+    is called right after the step's work, so a ProfilerStep range holds one training step and
+    no evaluation. Rank 0 appends each logged record to ``out_dir/log.jsonl``.
+    """
+    cfg, device = s.cfg, s.device
+    max_norm = cfg.clip if cfg.clip > 0 else math.inf
+    log_file = open(s.out_dir / "log.jsonl", "a" if s.start_step else "w") if s.is_main else None
+    history: list[dict] = []
+    s.model.train()
+    bar = tqdm(range(s.start_step, cfg.steps), initial=s.start_step, total=cfg.steps,
+               disable=not s.is_main, dynamic_ncols=True, desc="train")
+    train_time = 0.0  # seconds spent in training steps (evaluation excluded)
+    for step in bar:
+        lr = lr_at(step, lr=cfg.lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps, min_lr_ratio=cfg.min_lr_ratio)
+        for group in s.opt.param_groups:
+            group["lr"] = lr
+
+        t0 = time.perf_counter()
+        with record_function("yashard::data"):
+            batch = rank_slice(s.train_data.global_batch(cfg.seed, step, s.global_batch), s.rank, s.world_size)
+        loss_sum = torch.zeros((), device=device)
+        for micro in micro_batches(batch, cfg.accum_steps):
+            with record_function("yashard::forward"):
+                out = s.model(**_to(micro, device), use_cache=False)
+            with record_function("yashard::backward"):
+                (out.loss / cfg.accum_steps).backward()
+            loss_sum += out.loss.detach().float()
+        with record_function("yashard::clip_grad_norm"):
+            grad_norm = s.model.clip_grad_norm_(max_norm)
+        with record_function("yashard::optimizer_step"):
+            s.opt.step()
+            s.opt.zero_grad(set_to_none=True)
+        with record_function("yashard::loss_all_reduce"):
+            # Mean loss over all ranks' micro-batches (SUM then divide: gloo has no AVG).
+            dist.all_reduce(loss_sum)
+            loss = loss_sum.item() / (cfg.accum_steps * s.world_size)  # .item() also waits for the step
+        dt = time.perf_counter() - t0
+        train_time += dt
+        if profiler is not None:
+            profiler.step()
+        # A periodic sharded checkpoint (for resume) is saved here, after the optimizer step.
+
+        record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": float(grad_norm),
+                  "tokens_per_s": s.tokens_per_step / dt, "elapsed": train_time}
+        last = step + 1 == cfg.steps
+        if last or (cfg.eval_every > 0 and (step + 1) % cfg.eval_every == 0):
+            record["eval_loss"] = evaluate(s)
+            if s.is_main:
+                bar.write(f"step {step + 1}: eval loss {record['eval_loss']:.4f}")
+        history.append(record)
+        if s.is_main and (last or "eval_loss" in record or (step + 1) % max(1, cfg.log_every) == 0):
+            log_file.write(json.dumps(record) + "\n")
+            log_file.flush()
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                            mem=f"{memory_mb(device):.0f}MB")
+    bar.close()
+    if log_file is not None:
+        log_file.close()
+    return history
+
+
+# --------------------------------------------------------------------------------------------
+# Outputs
+# --------------------------------------------------------------------------------------------
+
+
+def read_log(path: Path) -> list[dict]:
+    """The records of a log.jsonl file, in order."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def save_plot(history: list[dict], path: Path) -> bool:
+    """loss.png: train and held-out loss, and tokens/s, against the step. False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: skipping loss.png (pip install matplotlib)")
+        return False
+    steps = [h["step"] for h in history]
+    fig, (ax_loss, ax_tps) = plt.subplots(1, 2, figsize=(11, 4))
+    ax_loss.plot(steps, [h["loss"] for h in history], label="train")
+    evals = [(h["step"], h["eval_loss"]) for h in history if "eval_loss" in h]
+    if evals:
+        ax_loss.plot(*zip(*evals), "o-", label="held-out")
+    ax_loss.set_xlabel("step")
+    ax_loss.set_ylabel("loss")
+    ax_loss.legend()
+    ax_tps.plot(steps, [h["tokens_per_s"] for h in history])
+    ax_tps.set_xlabel("step")
+    ax_tps.set_ylabel("tokens/s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def _output_embedding_key(hf_model) -> str:
+    out = hf_model.get_output_embeddings()
+    for name, module in hf_model.named_modules():
+        if module is out:
+            return f"{name}.weight"
+    return "lm_head.weight"
+
+
+def save_hf_folder(full: dict, hf_model, tokenizer, path: Path) -> None:
+    """An HF folder that ``AutoModelForCausalLM.from_pretrained(path)`` loads."""
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    text_config = hf_model.config.get_text_config() if hasattr(hf_model.config, "get_text_config") else hf_model.config
+    if getattr(text_config, "tie_word_embeddings", False):
+        # Tied: the input embedding alone is stored; from_pretrained re-ties the output to it.
+        full = {k: v for k, v in full.items() if k != _output_embedding_key(hf_model)}
+    # Own, contiguous CPU copies: safetensors refuses tensors that share memory.
+    tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in full.items()}
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    hf_model.config.save_pretrained(path)
+    if hasattr(tokenizer, "tok"):  # an HF tokenizer: keep the folder self-contained
+        tokenizer.tok.save_pretrained(path)
+
+
+def write_outputs(s: Session, history: list[dict], *, save_final: bool = True, plot: bool = True) -> dict:
+    """final/ (collective: every rank takes part in the gather), loss.png, and the summary line.
+
+    Returns the run summary on rank 0 and ``{}`` elsewhere. The plot is drawn from log.jsonl, so
+    it covers every logged step of the run, resumed segments included.
+    """
+    full = s.model.full_state_dict() if save_final else None
+    if not s.is_main:
+        return {}
+    written = [s.out_dir / "log.jsonl"]
+    if save_final:
+        save_hf_folder(full, s.hf_model, s.tok, s.out_dir / "final")
+        written.append(s.out_dir / "final")
+    del full
+    if plot and save_plot(read_log(s.out_dir / "log.jsonl"), s.out_dir / "loss.png"):
+        written.append(s.out_dir / "loss.png")
+    steady = history[1:] or history  # the first step includes one-off warm-up costs
+    summary = {
+        "first_loss": history[0]["loss"], "last_loss": history[-1]["loss"],
+        "eval_loss": history[-1].get("eval_loss"),
+        "tokens_per_s": sum(h["tokens_per_s"] for h in steady) / len(steady),
+        "memory_mb": memory_mb(s.device), "train_seconds": history[-1]["elapsed"],
+    }
+    print(f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}, held-out loss "
+          f"{summary['eval_loss']:.4f}, {summary['tokens_per_s']:,.0f} tokens/s, "
+          f"{summary['memory_mb']:.0f} MB (rank 0), {summary['train_seconds']:.1f}s training")
+    print("wrote " + ", ".join(str(p) for p in written))
+    return summary
+
+
+def shutdown() -> None:
+    """Wait for every rank, then leave the process group."""
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run(cfg: TrainConfig) -> dict:
+    """setup, train_loop, write_outputs, shutdown: the whole of a fine-tune or pretrain recipe."""
+    session = setup(cfg)
+    history = train_loop(session)
+    summary = write_outputs(session, history)
+    shutdown()
+    return summary
+
+
+def exit_now() -> None:
+    """End the process without interpreter teardown (gloo can abort at exit after destroy)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -1,0 +1,376 @@
+"""The recipes end to end (pretrain, fine-tune, profile: 2 processes, CPU, gloo) and their pure parts.
+
+Each recipe runs once per module (torchrun in a subprocess, a few steps of a tiny model); several
+tests read the outputs of one run. The pretrain run's checkpoint is the fine-tune run's --model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "recipes"))
+
+import data  # noqa: E402
+import finetune  # noqa: E402
+import pretrain  # noqa: E402
+import profiling  # noqa: E402
+import trace_stats as ts  # noqa: E402
+import train  # noqa: E402
+
+# A tiny Llama with tied embeddings and a vocabulary larger than the byte tokenizer's 259 ids.
+TINY_CONFIG = {
+    "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 300, "hidden_size": 64,
+    "intermediate_size": 160, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "max_position_embeddings": 256, "tie_word_embeddings": True,
+    "bos_token_id": 257, "eos_token_id": 258, "pad_token_id": 256,
+}
+COMMON = ["--seq-len", "64", "--max-bytes", "300000", "--micro-batch", "4"]
+PRETRAIN_STEPS, SFT_STEPS = 16, 10
+
+
+# --------------------------------------------------------------------------------------------
+# Running a recipe
+# --------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_recipe(script: str, *args: str) -> str:
+    """torchrun --nproc_per_node 2 recipes/<script> args...; returns stdout, fails with its output."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--master_port", str(_free_port()), str(ROOT / "recipes" / script), *args]
+    pythonpath = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(pythonpath), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc.stdout
+
+
+def read_log(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def pretrain_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pretrain")
+    (tmp / "config.json").write_text(json.dumps(TINY_CONFIG))
+    out = tmp / "out"
+    stdout = run_recipe("pretrain.py", "--config", str(tmp / "config.json"), "--steps", str(PRETRAIN_STEPS),
+                        "--eval-every", "8", "--out-dir", str(out), *COMMON)
+    return out, stdout
+
+
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory, pretrain_run):
+    tmp = tmp_path_factory.mktemp("sft")
+    lines = [json.dumps({"prompt": f"Q: {i} + 1 = ?\nA:", "response": f" {i + 1}"}) for i in range(40)]
+    (tmp / "sft.jsonl").write_text("\n".join(lines) + "\n")
+    out = tmp / "out"
+    stdout = run_recipe("finetune.py", "--model", str(pretrain_run[0] / "final"), "--data", str(tmp / "sft.jsonl"),
+                        "--steps", str(SFT_STEPS), "--eval-fraction", "0.1", "--eval-every", "5",
+                        "--eval-batches", "2", "--out-dir", str(out), *COMMON)
+    return out, stdout
+
+
+@pytest.fixture(scope="module")
+def profile_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("profile") / "out"
+    stdout = run_recipe("profiling.py", "--wait", "1", "--warmup", "1", "--active", "2",
+                        "--out-dir", str(out), *COMMON)
+    return out, stdout
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _check_png(path: Path) -> None:
+    if _has_matplotlib():
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:
+        assert not path.exists()
+
+
+# --------------------------------------------------------------------------------------------
+# Pretrain (random init from a config.json) and fine-tune (SFT from the pretrained checkpoint)
+# --------------------------------------------------------------------------------------------
+
+
+def test_pretrain_log_and_loss_trend(pretrain_run):
+    out, stdout = pretrain_run
+    log = read_log(out / "log.jsonl")
+    assert [r["step"] for r in log] == list(range(1, PRETRAIN_STEPS + 1))
+    assert [r["step"] for r in log if "eval_loss" in r] == [8, 16]
+    assert all(math.isfinite(r["loss"]) and r["tokens_per_s"] > 0 for r in log)
+    first, last = [r["loss"] for r in log[:4]], [r["loss"] for r in log[-4:]]
+    assert sum(last) / 4 < sum(first) / 4 - 0.3, [r["loss"] for r in log]
+    assert log[-1]["eval_loss"] < log[7]["eval_loss"]
+    assert "random init from" in stdout and "global batch 8 x 64 = 512 tokens/step" in stdout
+    _check_png(out / "loss.png")
+
+
+def test_pretrain_checkpoint_reproduces_the_final_eval_loss(pretrain_run):
+    """final/ loads with from_pretrained and scores the held-out batches as the run did."""
+    from transformers import AutoModelForCausalLM
+
+    out, _ = pretrain_run
+    model = AutoModelForCausalLM.from_pretrained(out / "final")
+    assert model.config.tie_word_embeddings and model.config.vocab_size == 300
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    cfg = pretrain.parse_config(COMMON)  # the run's data and eval options
+    _, held_out, _ = data.build_datasets(None, data.ByteTokenizer(), cfg.seq_len, cfg.eval_fraction, cfg.max_bytes)
+    world = 2
+    losses = []
+    with torch.no_grad():
+        for i in range(cfg.eval_batches):
+            batch = held_out.global_batch(cfg.seed, i, cfg.micro_batch * world, stream=data.EVAL_STREAM)
+            for r in range(world):
+                losses.append(model(**data.rank_slice(batch, r, world)).loss.item())
+    reported = read_log(out / "log.jsonl")[-1]["eval_loss"]
+    assert sum(losses) / len(losses) == pytest.approx(reported, rel=1e-4, abs=1e-4)
+
+
+def test_sft_from_the_pretrained_checkpoint(sft_run):
+    from transformers import AutoModelForCausalLM
+
+    out, stdout = sft_run
+    assert "SFT" in stdout and "36 train / 4 held-out examples" in stdout
+    log = read_log(out / "log.jsonl")
+    assert [r["step"] for r in log] == list(range(1, SFT_STEPS + 1))
+    losses = [r["loss"] for r in log]
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3, losses
+    assert [r["step"] for r in log if "eval_loss" in r] == [5, 10]
+    model = AutoModelForCausalLM.from_pretrained(out / "final")
+    assert model.config.vocab_size == 300
+    _check_png(out / "loss.png")
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["world_size"] == 2 and saved["steps"] == SFT_STEPS and saved["model"].endswith("final")
+
+
+# --------------------------------------------------------------------------------------------
+# Profile
+# --------------------------------------------------------------------------------------------
+
+EXPECTED_LABELS = {
+    "yashard::data", "yashard::forward", "yashard::backward", "yashard::clip_grad_norm",
+    "yashard::optimizer_step", "yashard::loss_all_reduce", "yashard::all_gather",
+    "yashard::norm_group_all_gather", "yashard::reduce_scatter", "yashard::norm_group_reduce_scatter",
+    "yashard::post_divide", "yashard::wait_collective", "yashard::drain",
+}
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_profile_trace_is_a_valid_chrome_trace_with_every_label(profile_run, rank):
+    out, _ = profile_run
+    trace = json.loads((out / f"trace_rank{rank}.json").read_text())
+    events = trace["traceEvents"]
+    assert isinstance(events, list) and events
+    for e in events:
+        assert isinstance(e["name"], str) and e["ph"] in {"X", "i", "s", "f", "M", "C", "B", "E"}
+        if e["ph"] == "X":
+            assert isinstance(e["ts"], (int, float)) and isinstance(e["dur"], (int, float)) and e["dur"] >= 0
+            assert "pid" in e and "tid" in e
+    names = {e["name"] for e in events if e["ph"] == "X"}
+    assert EXPECTED_LABELS <= names, EXPECTED_LABELS - names
+    steps = [e for e in events if e["ph"] == "X" and e["name"].startswith("ProfilerStep#")]
+    assert len(steps) == 2  # --active 2
+    assert any(e["name"].startswith("gloo:") for e in events if e["ph"] == "X")
+    assert trace["distributedInfo"]["rank"] == rank
+
+
+def test_profile_summary_is_consistent(profile_run):
+    out, stdout = profile_run
+    summaries = json.loads((out / "profile_summary.json").read_text())
+    assert len(summaries) == 2
+    for rank, s in enumerate(summaries):
+        assert s["basis"] == "cpu" and s["steps"] == 2
+        eps = 1e-6
+        assert 0 < s["exposed_comm_ms"] <= s["comm_ms"] + eps
+        assert s["comm_ms"] <= s["wall_ms"] + eps
+        assert 0 < s["compute_ms"] and s["compute_ms"] + s["exposed_comm_ms"] <= s["wall_ms"] + eps
+        assert s["memory_peak_mb"] > 0
+        stages = s["stages_ms"]
+        loop = sum(stages[k] for k in ("yashard::data", "yashard::forward", "yashard::backward",
+                                       "yashard::clip_grad_norm", "yashard::optimizer_step",
+                                       "yashard::loss_all_reduce"))
+        assert 0 < loop <= s["wall_ms"] + eps
+        assert stages["yashard::wait_collective"] <= s["wall_ms"] and stages["yashard::forward"] > 0
+        # Independent check of the wall time: the ProfilerStep ranges of that rank's trace.
+        trace = json.loads((out / f"trace_rank{rank}.json").read_text())
+        step_us = [e["dur"] for e in trace["traceEvents"] if e["ph"] == "X" and e["name"].startswith("ProfilerStep#")]
+        assert s["wall_ms"] == pytest.approx(sum(step_us) / len(step_us) / 1e3)
+        assert s == ts.summarize_trace(trace)  # rank r's row is rank r's trace (JSON keeps floats exact)
+    table = (out / "profile_summary.txt").read_text()
+    assert "definitions (cpu)" in table and "exposed" in table and "mean" in table and "max" in table
+    assert table.strip() in stdout
+    assert len(read_log(out / "log.jsonl")) == 4  # wait 1 + warmup 1 + active 2
+    assert not (out / "final").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# Trace arithmetic and summaries on hand-made traces
+# --------------------------------------------------------------------------------------------
+
+
+def _covered(intervals, n):
+    return {t for t in range(n) for s, e in intervals if s <= t < e}
+
+
+def test_interval_ops_match_a_brute_force_count():
+    rng = random.Random(0)
+    for _ in range(200):
+        a = [(s, s + rng.randint(0, 8)) for s in (rng.randint(0, 40) for _ in range(rng.randint(0, 6)))]
+        b = [(s, s + rng.randint(0, 8)) for s in (rng.randint(0, 40) for _ in range(rng.randint(0, 6)))]
+        ca, cb = _covered(a, 60), _covered(b, 60)
+        assert _covered(ts.union(a), 60) == ca and ts.length(a) == len(ca)
+        assert _covered(ts.intersect(a, b), 60) == ca & cb
+        assert _covered(ts.subtract(a, b), 60) == ca - cb
+        u = ts.union(a)
+        assert all(e1 < s2 for (_, e1), (s2, _) in zip(u, u[1:]))  # sorted and disjoint
+
+
+def _x(name, ts_, dur, tid=1, cat="cpu_op", pid=7):
+    return {"ph": "X", "name": name, "ts": ts_, "dur": dur, "pid": pid, "tid": tid, "cat": cat}
+
+
+def _mem(total, device_type):
+    return {"ph": "i", "name": "[memory]", "ts": 0, "pid": 7, "tid": 1,
+            "args": {"Total Allocated": total, "Device Type": device_type}}
+
+
+def test_summarize_cpu_trace_by_hand():
+    events = [
+        _x("ProfilerStep#3", 0, 100, cat="user_annotation"), _x("ProfilerStep#4", 100, 100, cat="user_annotation"),
+        _x("aten::mm", 0, 40),
+        _x("c10d::_allgather_base_", 40, 5), _x("yashard::all_gather", 39, 7, cat="user_annotation"),
+        _x("autograd::engine::evaluate_function: X", 50, 40),
+        _x("yashard::wait_collective", 60, 20, cat="user_annotation"),
+        _x("yashard::post_divide", 70, 5, cat="user_annotation"), _x("aten::add_", 70, 5),
+        _x("aten::add", 110, 50),
+        _x("gloo:all_gather", 42, 28, tid=2, cat="user_annotation"),
+        _x("aten::copy_", 42, 3, tid=2),  # gloo thread work is communication, not compute
+        _x("gloo:all_reduce", 150, 110, tid=2, cat="user_annotation"),  # runs past the window
+        _mem(1 * 2**20, 0), _mem(3 * 2**20, 0), _mem(2 * 2**20, 0), _mem(50 * 2**20, 1),
+    ]
+    s = ts.summarize_trace({"traceEvents": events})
+    # compute: [0,39) + [50,60) + [70,75) + [80,90) + [110,160) = 39 + 10 + 5 + 10 + 50
+    # comm: [42,70) + [150,200); exposed: [42,50) + [60,70) + [160,200)
+    assert s["basis"] == "cpu" and s["steps"] == 2
+    assert s["wall_ms"] == pytest.approx(0.100)
+    assert s["compute_ms"] == pytest.approx(114 / 2 / 1e3)
+    assert s["comm_ms"] == pytest.approx(78 / 2 / 1e3)
+    assert s["exposed_comm_ms"] == pytest.approx(58 / 2 / 1e3)
+    assert s["memory_peak_mb"] == pytest.approx(3.0)
+    assert s["stages_ms"]["yashard::wait_collective"] == pytest.approx(20 / 2 / 1e3)
+    assert s["stages_ms"]["yashard::forward"] == 0.0
+
+
+def test_summarize_cuda_trace_by_hand():
+    events = [
+        _x("ProfilerStep#1", 0, 100, cat="user_annotation"),
+        _x("ProfilerStep#1", 5, 120, tid=7, cat="gpu_user_annotation", pid=0),  # GPU mirror: not a step
+        _x("yashard::forward", 5, 50, tid=7, cat="gpu_user_annotation", pid=0),
+        _x("cudaLaunchKernel", 0, 5, cat="cuda_runtime"),
+        _x("ampere_sgemm_128x64_nn", 0, 30, tid=7, cat="kernel", pid=0),
+        _x("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 10, 40, tid=20, cat="kernel", pid=0),
+        _x("Memcpy DtoD (Device -> Device)", 60, 20, tid=20, cat="gpu_memcpy", pid=0),
+        _x("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", 70, 50, tid=20, cat="kernel", pid=0),
+        _mem(5 * 2**20, 1), _mem(9 * 2**20, 0),
+    ]
+    s = ts.summarize_trace({"traceEvents": events})
+    assert s["basis"] == "cuda" and s["steps"] == 1
+    assert s["compute_ms"] == pytest.approx(0.050)   # [0,30) + [60,80)
+    assert s["comm_ms"] == pytest.approx(0.070)      # [10,50) + [70,100) (clipped to the step)
+    assert s["exposed_comm_ms"] == pytest.approx(0.040)  # [30,50) + [80,100)
+    assert s["memory_peak_mb"] == pytest.approx(5.0)
+    assert s["wall_ms"] == pytest.approx(0.100) and s["stages_ms"]["yashard::forward"] == 0.0
+
+
+def test_summarize_trace_needs_profiler_steps():
+    with pytest.raises(ValueError, match="no ProfilerStep# ranges: profile with a schedule"):
+        ts.summarize_trace({"traceEvents": [_x("aten::mm", 0, 10)]})
+
+
+def test_format_table_rows_and_definitions():
+    s = {"basis": "cuda", "steps": 3, "wall_ms": 10.0, "compute_ms": 8.0, "comm_ms": 4.0,
+         "exposed_comm_ms": 1.0, "memory_peak_mb": 100.0, "stages_ms": {k: 0.5 for k in ts.STAGE_LABELS}}
+    table = ts.format_table([s, {**s, "wall_ms": 20.0, "exposed_comm_ms": 3.0, "memory_peak_mb": None}])
+    lines = table.splitlines()
+    assert any(line.split()[:1] == ["mean"] and "15.00" in line and "12.5" in line for line in lines)
+    assert any(line.split()[:1] == ["max"] and "20.00" in line and "15.0" in line for line in lines)
+    assert "definitions (cuda):" in table and "NCCL" in table
+    with pytest.raises(ValueError, match="no summaries"):
+        ts.format_table([])
+
+
+# --------------------------------------------------------------------------------------------
+# Command lines and their errors
+# --------------------------------------------------------------------------------------------
+
+
+def test_recipe_configs_from_command_line():
+    cfg = pretrain.parse_config(["--model-size", "small", "--steps", "7"])
+    assert (cfg.model_size, cfg.config, cfg.steps, cfg.out_dir) == ("small", None, 7, "runs/pretrain")
+    assert pretrain.parse_config([]) == pretrain.PretrainConfig()
+    assert finetune.parse_config([]).out_dir == "runs/finetune"
+    p = profiling.parse_config(["--wait", "0", "--warmup", "1", "--active", "4"])
+    assert p.steps == 5 and p.eval_every == 0 and p.profile_memory
+    assert profiling.parse_config(["--active", "2", "--steps", "5"]).steps == 5
+
+
+@pytest.mark.parametrize("module, argv, message", [
+    (pretrain, ["--config", "c.json", "--model-size", "tiny"],
+     "--config c.json and --model-size tiny each choose the model: pass only one of them"),
+    (profiling, ["--model", "m", "--model-size", "small"], "--model m and --model-size small each choose the model"),
+    (pretrain, ["--data", "x.jsonl"], "is SFT prompt/response data; pretraining takes plain text"),
+    (profiling, ["--steps", "9"], "--steps 9 does not match --wait 1 + --warmup 2 + --active 3 = 6"),
+    (profiling, ["--active", "0"], "wait and warmup must be >= 0 and active >= 1"),
+    (finetune, ["--steps", "0"], "steps, micro_batch and accum_steps must be >= 1"),
+    (pretrain, ["--model-size", "huge"], "invalid choice: 'huge'"),
+])
+def test_bad_command_lines_exit_with_the_reason(module, argv, message, capsys):
+    with pytest.raises(SystemExit):
+        module.parse_config(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_model_source_errors(tmp_path):
+    tok = data.ByteTokenizer()
+    with pytest.raises(FileNotFoundError, match="no such file, and no folder with a config.json"):
+        train.build_model(pretrain.PretrainConfig(config=str(tmp_path / "missing.json")), tok)
+    (tmp_path / "config.json").write_text(json.dumps({**TINY_CONFIG, "vocab_size": 100}))
+    with pytest.raises(ValueError, match=r"tokenizer has 259 ids but --config .* has a vocabulary of 100: pass"):
+        train.build_model(pretrain.PretrainConfig(config=str(tmp_path)), tok)
+    # A checkpoint folder is checked on its config.json, before any weights are read.
+    with pytest.raises(ValueError, match=r"tokenizer has 259 ids but --model .* has a vocabulary of 100: pass"):
+        train.build_model(finetune.FinetuneConfig(model=str(tmp_path)), tok)
+
+
+def test_model_size_presets():
+    tok = data.ByteTokenizer()
+    cfg = train.preset_config("small", tok, seq_len=512)
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size, cfg.max_position_embeddings) == (256, 8, 259, 512)
+    assert (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) == (257, 258, 256)
+    model = train.build_model(pretrain.PretrainConfig(), tok)  # no --model-size: tiny
+    assert sum(p.numel() for p in model.parameters()) == 804736 and model.config.hidden_size == 128
+    with pytest.raises(ValueError, match="unknown model size 'huge'; choose one of tiny, small, base"):
+        train.preset_config("huge", tok, 128)

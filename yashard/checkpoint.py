@@ -446,12 +446,15 @@ def _commit(root: Path, save_dir: Path, index: dict) -> None:
 
 
 def _cleanup(root: Path, keep: str) -> None:
+    """Remove every save directory but ``keep`` and stale pointer temp files (after the commit)."""
     for name in os.listdir(root):
-        if name != keep and SAVE_DIR_RE.match(name) and (root / name).is_dir():
-            try:
+        try:
+            if name != keep and SAVE_DIR_RE.match(name) and (root / name).is_dir():
                 shutil.rmtree(root / name)
-            except OSError as e:  # the save itself is committed; leftovers are only disk space
-                logger.warning("yashard: could not remove the old save %s: %s", root / name, e)
+            elif name.startswith(f".{POINTER}.tmp-"):
+                (root / name).unlink()
+        except OSError as e:  # the save itself is committed; leftovers are only disk space
+            logger.warning("yashard: could not remove %s after the save: %s", root / name, e)
 
 
 def save_checkpoint(path: str | os.PathLike, model, optimizer: torch.optim.Optimizer | None = None, *,

@@ -138,6 +138,7 @@ def export_hf(model, path: str | os.PathLike, *, dtype: torch.dtype | None = Non
             comm.all_gather(flat, u.master.detach().contiguous(), u.name).wait()
             if comm.rank != 0 or err is not None:
                 continue  # keep joining the gathers: every rank issues the same collectives
+            writer = None
             try:
                 fname = export_file_name(i + 1, n)
                 names = stored_names(u.fqns, emb)
@@ -150,6 +151,8 @@ def export_hf(model, path: str | os.PathLike, *, dtype: torch.dtype | None = Non
                 writer.close()
             except Exception as e:  # noqa: BLE001
                 err = e
+                if writer is not None:
+                    writer.abort()
             del flat
     try:
         if comm.rank == 0 and err is None:

@@ -1,9 +1,12 @@
 """yashard: sharded data parallelism on fixed, preallocated, layer-alternating buffers."""
 
 from .api import ShardedModel, from_pretrained, shard
+from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .config import ShardConfig
+from .hf_export import export_hf
 from .memory import MemoryPlan
 from .runtime import OrderError
 
-__all__ = ["shard", "from_pretrained", "ShardConfig", "ShardedModel", "MemoryPlan", "OrderError"]
+__all__ = ["shard", "from_pretrained", "ShardConfig", "ShardedModel", "MemoryPlan", "OrderError",
+           "save_checkpoint", "load_checkpoint", "export_hf", "CheckpointError"]
 __version__ = "0.1.0"

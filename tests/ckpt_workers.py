@@ -1,0 +1,246 @@
+"""Rank functions and a kill-tolerant harness variant for the checkpoint tests.
+
+A *segment* trains steps ``[start, stop)`` of one fixed data stream: the global batch of step ``i``
+is ``batches(...)[i]`` whatever the world size, and rank r takes rows ``[r * B/W, (r + 1) * B/W)``.
+A segment may begin by loading a checkpoint and may save at given steps, so a run cut into segments
+at any world sizes can be compared with the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+import yashard
+from harness import _entry, _free_port
+from models import batches, build
+
+SEG = dict(family="llama", overrides={}, seed=0, lr=1e-3, wd=0.1, clip=1.0, global_batch=6, seq=12, total=6,
+           start=0, stop=6, load=None, saves={}, export=None, logits_seed=7)
+
+
+def segment(**kw) -> dict:
+    bad = set(kw) - set(SEG)
+    if bad:
+        raise KeyError(f"unknown segment keys {bad}")
+    return {**SEG, **kw}
+
+
+def _setup(s: dict):
+    model = build(s["family"], seed=s["seed"], **s["overrides"])
+    sm = yashard.shard(model)
+    opt = torch.optim.AdamW(sm.param_groups(s["wd"]), lr=s["lr"])
+    return sm, opt
+
+
+def train_segment(rank: int, world: int, s: dict) -> dict:
+    sm, opt = _setup(s)
+    vocab = sm.config.vocab_size
+    extra = None
+    if s["load"] is not None:
+        extra = yashard.load_checkpoint(s["load"], sm, opt)
+        assert extra == {"step": s["start"]}, extra
+    if s["export"] is not None:
+        yashard.export_hf(sm, s["export"])  # replaced by the export at the end
+    data = batches(s["total"], s["global_batch"], s["seq"], vocab)
+    losses = []
+    for step in range(s["start"], s["stop"]):
+        if step in s["saves"]:
+            yashard.save_checkpoint(s["saves"][step], sm, opt, extra={"step": step})
+        local = data[step].chunk(world)[rank]
+        out = sm(input_ids=local, labels=local)
+        out.loss.backward()
+        loss = out.loss.detach().clone()
+        dist.all_reduce(loss)
+        losses.append(loss.item() / world)
+        sm.clip_grad_norm_(s["clip"])
+        opt.step()
+        opt.zero_grad()
+    if s["stop"] in s["saves"]:
+        yashard.save_checkpoint(s["saves"][s["stop"]], sm, opt, extra={"step": s["stop"]})
+    out = dict(losses=losses, params=sm.full_state_dict(), extra=extra)
+    if s["export"] is not None:
+        out.update(export(sm, s))
+    return out
+
+
+def export(sm, s: dict) -> dict:
+    """Export bf16, and fp32 over the export of the initial weights (the swap); the sharded model's logits."""
+    path = s["export"]
+    yashard.export_hf(sm, path + "-bf16", dtype=torch.bfloat16)
+    yashard.export_hf(sm, path)
+    sm.eval()
+    g = torch.Generator().manual_seed(s["logits_seed"])
+    x = torch.randint(0, sm.config.vocab_size, (2, s["seq"]), generator=g)
+    with torch.no_grad():
+        logits = sm(input_ids=x).logits
+    return dict(input_ids=x, logits=logits)
+
+
+def run_segments(rank: int, world: int, segments: list) -> list:
+    return [train_segment(rank, world, s) for s in segments]
+
+
+# ------------------------------------------------------------------------------------------------
+# Killing a rank in the middle of a save
+
+
+def _die(marker: str, what: str):
+    with open(marker, "w") as f:
+        f.write(what)
+        f.flush()
+        os.fsync(f.fileno())
+    os._exit(1)
+
+
+def _kill_mid_shard_write(marker: str, after: int) -> None:
+    """This rank writes ``after`` tensors of its shard file, then half of the next one, and dies."""
+    from yashard._io import StreamedSafetensors
+
+    original = StreamedSafetensors.write
+    count = [0]
+
+    def write(self, key, tensor):
+        if count[0] == after:
+            raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+            self._f.write(memoryview(raw[: len(raw) // 2]))
+            self._f.flush()
+            _die(marker, f"killed while writing {key} to {self.path}")
+        count[0] += 1
+        original(self, key, tensor)
+
+    StreamedSafetensors.write = write
+
+
+def _kill_mid_pointer_write(marker: str) -> None:
+    """Rank 0 writes the index, then half of the new LATEST's temp file, and dies before the rename."""
+    import yashard.checkpoint as ck
+
+    original = ck.write_text_atomic
+
+    def write_text_atomic(path, text):
+        if os.path.basename(path) == ck.POINTER:
+            tmp = os.path.join(os.path.dirname(path), f".{ck.POINTER}.tmp-{os.getpid()}")
+            with open(tmp, "w") as f:
+                f.write(text[: len(text) // 2])
+            _die(marker, f"killed while writing {tmp}")
+        original(path, text)
+
+    ck.write_text_atomic = write_text_atomic
+
+
+def save_then_killed_save(rank: int, world: int, s: dict, path: str, ref: str, marker: str, victim: int, how: str):
+    """Train 1 step and save to ``path`` (rank 0 also writes the full weights to ``ref``); train
+    one more step and save again, while ``victim`` dies in the middle of that save (``how``)."""
+    from safetensors.torch import save_file
+
+    sm, opt = _setup(s)
+    data = batches(s["total"], s["global_batch"], s["seq"], sm.config.vocab_size)
+    for step in range(2):
+        if step == 1:
+            yashard.save_checkpoint(path, sm, opt, extra={"step": 1})
+            full = sm.full_state_dict()
+            if rank == 0:
+                save_file({k: v.clone() for k, v in full.items()}, ref)
+            if rank == victim:
+                if how == "shard":
+                    _kill_mid_shard_write(marker, after=3)
+                else:
+                    _kill_mid_pointer_write(marker)
+        local = data[step].chunk(world)[rank]
+        sm(input_ids=local, labels=local).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    yashard.save_checkpoint(path, sm, opt, extra={"step": 2})
+    return "save returned"  # only reached if the kill did not happen
+
+
+_PRELOAD = ["torch", "torch.distributed", "transformers", "transformers.models.llama.modeling_llama",
+            "transformers.models.qwen2.modeling_qwen2", "safetensors.torch", "yashard", "models", "harness",
+            "ckpt_workers"]
+
+
+def _context():
+    """A forkserver context that has imported torch, transformers and yashard once: each rank then
+    starts in well under a second instead of re-importing them (spawn, ~9 s of CPU per rank here).
+    The server is a fresh interpreter (no threads or state inherited from pytest); spawn where
+    forkserver does not exist."""
+    if "forkserver" not in mp.get_all_start_methods():  # pragma: no cover - Windows
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def _start(fn, world: int, args):
+    ctx = _context()
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, queue), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    return procs, queue
+
+
+def launch(fn, world: int, *args, timeout: float = 240.0) -> list:
+    """``harness.run_distributed`` on the preloaded forkserver: same ``_entry``, same contract."""
+    procs, queue = _start(fn, world, args)
+    results: dict[int, object] = {}
+    errors: list[str] = []
+    try:
+        for _ in range(world):
+            try:
+                rank, ok, payload = queue.get(timeout=timeout)
+            except Exception as e:  # queue.Empty
+                raise TimeoutError(f"a rank did not report within {timeout}s ({len(results)} of {world} did)") from e
+            if ok:
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+            else:
+                errors.append(f"--- rank {rank} ---\n{payload}")
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=30 if not errors else 2)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise RuntimeError("distributed run failed:\n" + "\n".join(errors))
+    return [results[r] for r in range(world)]
+
+
+def run_until_exit(fn, world: int, *args, timeout: float = 120.0, grace: float = 0.5) -> dict:
+    """Like :func:`launch`, but tolerates ranks that die: once one rank has exited, the others get
+    ``grace`` seconds and are then killed (what a job scheduler does). Returns
+    ``{rank: (exitcode, reported)}`` where ``reported`` is ``(ok, payload)`` if the rank sent a
+    result, else None."""
+    procs, queue = _start(fn, world, args)
+    deadline = time.monotonic() + timeout
+    first_exit = None
+    reported: dict[int, tuple] = {}
+
+    def take(wait: float) -> bool:
+        try:
+            rank, ok, payload = queue.get(timeout=wait)
+        except Exception:  # queue.Empty
+            return False
+        reported[rank] = (ok, torch.load(io.BytesIO(payload), weights_only=False) if ok else payload)
+        return True
+
+    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+        if first_exit is None and any(not p.is_alive() for p in procs):
+            first_exit = time.monotonic()
+        if first_exit is not None and time.monotonic() - first_exit > grace:
+            break
+        take(0.1)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join(timeout=10)
+    while take(0.2):
+        pass
+    return {r: (procs[r].exitcode, reported.get(r)) for r in range(world)}

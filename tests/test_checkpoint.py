@@ -1,0 +1,634 @@
+"""Sharded checkpoints (save, resume, reshard, crash safety, errors) and the HuggingFace export.
+
+Multi-process parts run each rank through ``harness._entry`` (gloo, CPU), started from a forkserver
+that imported torch/transformers once (``ckpt_workers.launch``); a module-scoped fixture trains the
+uninterrupted W=2 reference once (Llama, tied Llama, Qwen2 with biases), saving at steps 2 and 3 and
+exporting at the end; resumed runs are compared with it. Error paths and single-rank round trips
+use a 1-rank gloo group in this process.
+"""
+
+import json
+import os
+import pickle
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+import yashard
+from ckpt_workers import launch, run_segments, run_until_exit, save_then_killed_save, segment
+from models import batches, build
+from workers import rel_err
+from yashard._io import StreamedSafetensors, exchange_dirs, sniff_foreign_format
+from yashard.checkpoint import (CheckpointError, _plan_reads, check_extra, coverage_problem, decode_value,
+                                describe_params, encode_value, overlaps, params_diff)
+from yashard.hf_export import stored_names
+from yashard.layout import build_layout, shard_pieces
+
+FAMILIES = {
+    "llama": dict(family="llama"),
+    "llama_tied": dict(family="llama", overrides={"tie_word_embeddings": True}),
+    "qwen2": dict(family="qwen2"),
+}
+
+
+# ------------------------------------------------------------------------------------------------
+# Pure helpers
+
+
+def test_overlaps_and_coverage():
+    pieces = [(0, 10), (10, 25), (25, 30)]
+    assert overlaps(pieces, 5, 12) == [(0, 5, 10), (1, 10, 12)]
+    assert overlaps(pieces, 10, 25) == [(1, 10, 25)]
+    assert overlaps(pieces, 30, 30) == []
+    assert coverage_problem(30, pieces) is None
+    assert coverage_problem(30, [(10, 25), (0, 10), (25, 30)]) is None   # any order
+    assert coverage_problem(30, [(0, 10), (12, 30)]) == "elements [10, 12) are in no piece"
+    assert coverage_problem(30, [(0, 12), (10, 30)]) == "pieces overlap at [10, 12)"
+    assert coverage_problem(30, [(0, 29)]) == "elements [29, 30) are in no piece"
+    assert coverage_problem(30, [(0, 31)]) == "piece [0, 31) is outside [0, 30)"
+
+
+def test_params_diff_names_both_sides():
+    ck = describe_params({"a": {"shape": [2, 3], "tied": ["b"]}, "c": {"shape": [4]}})
+    assert ck == {"a": "shape (2, 3)", "b": "tied to a", "c": "shape (4,)"}
+    mine = describe_params({"a": {"shape": [2, 4]}, "b": {"shape": [2, 3]}, "d": {"shape": [1]}})
+    assert params_diff(ck, mine) == [
+        "a: checkpoint shape (2, 3), model shape (2, 4)",
+        "b: checkpoint tied to a, model shape (2, 3)",
+        "c: in the checkpoint (shape (4,)), not in the model",
+        "d: in the model (shape (1,)), not in the checkpoint",
+    ]
+    assert params_diff(ck, mine, limit=2)[-1] == "... and 2 more"
+    assert params_diff(ck, ck) == []
+
+
+def test_encode_decode_round_trip():
+    values = [None, True, 3, 1e-3, float("inf"), "x", (0.9, 0.999), [1, (2, 3)], {"k": torch.tensor(2.5)},
+              torch.tensor(7.0), torch.tensor(3, dtype=torch.int64), torch.tensor(1.5, dtype=torch.bfloat16)]
+    for v in values:
+        enc = encode_value(v, "v")
+        back = decode_value(json.loads(json.dumps(enc)))
+        if isinstance(v, torch.Tensor):
+            assert back.dtype == v.dtype and torch.equal(back, v)
+        elif isinstance(v, dict):
+            assert torch.equal(back["k"], v["k"])
+        else:
+            assert back == v and type(back) is type(v)
+    with pytest.raises(TypeError, match=r"opt\['f'\] is a function, which a yashard checkpoint cannot store"):
+        encode_value(lambda: 0, "opt['f']")
+    with pytest.raises(TypeError, match=r"s is a \(3,\) tensor, which a yashard checkpoint cannot store"):
+        encode_value(torch.zeros(3), "s")
+
+
+def test_check_extra():
+    assert check_extra({"step": 3, "sched": {"last_epoch": 2, "base_lrs": (1e-3,)}}) == \
+        {"step": 3, "sched": {"last_epoch": 2, "base_lrs": [1e-3]}}   # tuples come back as lists
+    with pytest.raises(TypeError, match=r"must be JSON-serialisable: extra\['loss'\] is a Tensor \(use \.item\(\) or \.tolist\(\)\)"):
+        check_extra({"loss": torch.tensor(1.0)})
+    with pytest.raises(TypeError, match=r"must be JSON-serialisable: extra\['a'\] has the non-string key 1; use string keys"):
+        check_extra({"a": {1: 2}})
+    with pytest.raises(TypeError, match=r"extra\[0\] is a set"):
+        check_extra([{1, 2}])
+
+
+def test_streamed_safetensors_reads_back(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    tensors = {"a": torch.randn(5, generator=g), "b/c[0:3]": torch.randn(2, 3, generator=g).bfloat16(),
+               "empty": torch.zeros(0), "i": torch.arange(7), "h": torch.randn(3, generator=g).half()}
+    w = StreamedSafetensors(tmp_path / "x.safetensors", [(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()],
+                            metadata={"format": "pt"})
+    for k, t in tensors.items():
+        w.write(k, t)
+    w.close()
+    assert (tmp_path / "x.safetensors").stat().st_size == w.nbytes
+    back = load_file(str(tmp_path / "x.safetensors"))
+    assert set(back) == set(tensors) and all(torch.equal(back[k], t) for k, t in tensors.items())
+    with safe_open(str(tmp_path / "x.safetensors"), "pt") as h:
+        assert h.metadata() == {"format": "pt"}
+    w = StreamedSafetensors(tmp_path / "y.safetensors", [("a", torch.float32, (2,)), ("b", torch.float32, (2,))])
+    with pytest.raises(ValueError, match=r"tensor 0 must be 'a' torch.float32 \(2,\), got 'b'"):
+        w.write("b", torch.zeros(2))
+    w.write("a", torch.zeros(2))
+    with pytest.raises(ValueError, match=r"only 1 of 2 declared tensors were written"):
+        w.close()
+
+
+def test_exchange_dirs_and_sniffing(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "x").write_text("a")
+    (tmp_path / "b" / "x").write_text("b")
+    if exchange_dirs(tmp_path / "a", tmp_path / "b"):
+        assert (tmp_path / "a" / "x").read_text() == "b" and (tmp_path / "b" / "x").read_text() == "a"
+    torch.save({"x": 1}, tmp_path / "t.pt")
+    (tmp_path / "p.pkl").write_bytes(pickle.dumps({"x": 1}, protocol=4))
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "s.safetensors"))
+    assert sniff_foreign_format(tmp_path / "t.pt").startswith("a zip archive")
+    assert sniff_foreign_format(tmp_path / "p.pkl") == "a pickle file"
+    assert sniff_foreign_format(tmp_path / "s.safetensors") is None
+
+
+def test_plan_reads_reassembles_every_shard_at_every_world_size():
+    """Saved at W_s, loaded at W_l: the planned reads rebuild each rank's shard exactly, touching only
+    the files whose saved shard overlaps it."""
+    shapes = [("a", (7, 5)), ("b", (11,)), ("c", (3, 4)), ("d", (1,))]
+    g = torch.Generator().manual_seed(0)
+    values = {n: torch.randn(*shape, generator=g).flatten() for n, shape in shapes}
+    for w_save in range(1, 5):
+        saved = build_layout(shapes, w_save, shard_align=4)
+        params = {n: {"shape": list(shape), "pieces": []} for n, shape in shapes}
+        stored = {}
+        for r in range(w_save):
+            for pc in shard_pieces(saved, r):
+                n = shapes[pc.entry][0]
+                key = f"master/{n}[{pc.entry_start}:{pc.entry_end}]"
+                params[n]["pieces"].append({"file": f"f{r}", "lo": pc.entry_start, "hi": pc.entry_end, "keys": {"master": key}})
+                stored[key] = values[n][pc.entry_start:pc.entry_end]
+        for w_load in range(1, 5):
+            layout = build_layout(shapes, w_load, shard_align=2)
+            flat = torch.zeros(layout.padded)
+            for e, (n, _) in zip(layout.entries, shapes):
+                flat[e.offset:e.end] = values[n]
+            unit = SimpleNamespace(name="u", layout=layout, fqns=[[n] for n, _ in shapes])
+            for r in range(w_load):
+                reads = _plan_reads({"params": params}, SimpleNamespace(units=[unit]), r)["u"]
+                shard = torch.zeros(layout.shard_numel)
+                for rd in reads:
+                    assert rd.piece_numel == stored[rd.keys["master"]].numel()
+                    shard[rd.dst:rd.dst + rd.b - rd.a] = stored[rd.keys["master"]][rd.a:rd.b]
+                s0, s1 = layout.shard_range(r)
+                assert torch.equal(shard, flat[s0:s1]), (w_save, w_load, r)
+                touched = {rd.file for rd in reads}
+                needed = set()
+                for e, (n, _) in zip(layout.entries, shapes):
+                    lo, hi = max(e.offset, s0) - e.offset, min(e.end, s1) - e.offset
+                    needed |= {pc["file"] for pc in params[n]["pieces"] if pc["lo"] < hi and lo < pc["hi"]}
+                assert touched == needed
+
+
+def test_stored_names_keep_the_input_embedding():
+    fqns = [["model.embed_tokens.weight", "lm_head.weight"], ["model.norm.weight"]]
+    assert stored_names(fqns, "model.embed_tokens.weight") == ["model.embed_tokens.weight", "model.norm.weight"]
+    assert stored_names([["lm_head.weight", "model.embed_tokens.weight"]], "model.embed_tokens.weight") == \
+        ["model.embed_tokens.weight"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Multi-process: resume, reshard, export
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The uninterrupted W=2 run of every family, saving at steps 2 and 3, exporting at the end."""
+    root = tmp_path_factory.mktemp("straight")
+    segs = {name: segment(**fam, saves={2: str(root / name / "ck2"), 3: str(root / name / "ck3")},
+                          export=str(root / name / "hf"))
+            for name, fam in FAMILIES.items()}
+    results = launch(run_segments, 2, list(segs.values()))
+    return {name: (segs[name], res) for name, res in zip(segs, results[0])}
+
+
+def test_resume_at_the_same_world_size_is_bitwise(straight):
+    segs = [segment(**FAMILIES[name], start=3, load=s["saves"][3]) for name, (s, _) in straight.items()]
+    resumed = launch(run_segments, 2, segs)[0]
+    for (name, (_, ref)), res in zip(straight.items(), resumed):
+        assert res["losses"] == ref["losses"][3:], name
+        assert set(res["params"]) == set(ref["params"])
+        assert all(torch.equal(res["params"][k], ref["params"][k]) for k in ref["params"]), name
+
+
+def _assert_close(got: dict, ref: dict, name: str):
+    assert set(got) == set(ref)
+    flat_got = torch.cat([got[k].flatten() for k in sorted(ref)])
+    flat_ref = torch.cat([ref[k].flatten() for k in sorted(ref)])
+    assert rel_err(flat_got, flat_ref) < 1e-5, (name, rel_err(flat_got, flat_ref))
+    for k in ref:  # biases start at zero, so their relative rounding noise is larger (see test_parity.py)
+        assert rel_err(got[k], ref[k]) < (1e-3 if k.endswith("bias") else 1e-5), (name, k, rel_err(got[k], ref[k]))
+
+
+def test_reshard_2_to_3_to_1(straight, tmp_path):
+    names = list(straight)
+    w3 = launch(run_segments, 3, [
+        segment(**FAMILIES[n], start=2, stop=4, load=straight[n][0]["saves"][2], saves={4: str(tmp_path / n)})
+        for n in names])[0]
+    w1 = launch(run_segments, 1, [
+        segment(**FAMILIES[n], start=4, stop=6, load=str(tmp_path / n)) for n in names])[0]
+    for n, a, b in zip(names, w3, w1):
+        ref = straight[n][1]
+        got = a["losses"] + b["losses"]
+        assert max(abs(x - y) / abs(y) for x, y in zip(got, ref["losses"][2:])) < 1e-5, (n, got, ref["losses"])
+        _assert_close(b["params"], ref["params"], n)
+        index = json.loads(next((tmp_path / n).glob("save-*/index.json")).read_text())
+        assert index["shard_world"] == 3 and len(index["files"]) == 3
+
+
+_LOAD_SCRIPT = """
+import json, sys, torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+out = {}
+for name, path, ids in json.loads(sys.argv[1]):
+    model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], (name, info)
+    assert model.dtype == torch.float32, model.dtype
+    with torch.no_grad():
+        out[name] = model.eval()(input_ids=torch.tensor(ids)).logits.contiguous()
+assert "yashard" not in sys.modules
+save_file(out, sys.argv[2])
+"""
+
+
+def test_export_loads_with_from_pretrained(straight, tmp_path):
+    jobs = [(name, s["export"], res["input_ids"].tolist()) for name, (s, res) in straight.items()]
+    out = tmp_path / "logits.safetensors"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}   # plain transformers, no yashard
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run([sys.executable, "-c", _LOAD_SCRIPT, json.dumps(jobs), str(out)], capture_output=True,
+                          text=True, env=env, timeout=180, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    logits = load_file(str(out))
+    for name, (s, res) in straight.items():
+        assert rel_err(logits[name], res["logits"]) < 1e-5, (name, rel_err(logits[name], res["logits"]))
+        path = Path(s["export"])
+        index = json.loads((path / "model.safetensors.index.json").read_text())
+        files = sorted(set(index["weight_map"].values()))
+        assert files == [f"model-{i:05d}-of-{len(files):05d}.safetensors" for i in range(1, len(files) + 1)]
+        stored = {}
+        for f in files:
+            stored.update(load_file(str(path / f)))
+        assert set(stored) == set(index["weight_map"])
+        params = res["params"]
+        if name == "llama_tied":
+            assert "lm_head.weight" not in stored and "lm_head.weight" in params
+        else:
+            assert set(stored) == set(params)
+        assert all(torch.equal(stored[k], params[k]) for k in stored)   # the trained weights, bitwise
+        # bf16 export: every tensor is the fp32 weight rounded to bf16, and the config says so
+        bf = Path(s["export"] + "-bf16")
+        bf_stored = {}
+        for f in bf.glob("model-*.safetensors"):
+            bf_stored.update(load_file(str(f)))
+        assert set(bf_stored) == set(stored)
+        assert all(torch.equal(bf_stored[k], stored[k].bfloat16()) for k in stored)
+        assert json.loads((bf / "config.json").read_text())["dtype"] == "bfloat16"
+        assert not [p for p in path.parent.iterdir() if p.name.startswith(".")]   # no temp leftovers
+
+
+# ------------------------------------------------------------------------------------------------
+# Single-rank process group in this process
+
+
+@pytest.fixture(scope="module")
+def pg():
+    if dist.is_initialized():  # pragma: no cover - someone else owns the group
+        yield dist.group.WORLD
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: intra-op threads only contend (10x slower on a busy machine)
+    try:
+        yield dist.group.WORLD
+    finally:
+        torch.set_num_threads(threads)
+        dist.destroy_process_group()
+
+
+def _trained(family="llama", steps=2, opt_cls=torch.optim.AdamW, seed=0, **kw):
+    overrides = kw.pop("overrides", {})
+    sm = yashard.shard(build(family, seed=seed, **overrides))
+    opt = opt_cls(sm.param_groups(0.1), lr=1e-2, **kw)
+    for x in batches(steps, 2, 8, 96, seed=seed + 1):
+        sm(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return sm, opt
+
+
+def _fresh(family="llama", opt_cls=torch.optim.AdamW, seed=5, **kw):
+    overrides = kw.pop("overrides", {})
+    sm = yashard.shard(build(family, seed=seed, **overrides))
+    return sm, opt_cls(sm.param_groups(0.0), lr=0.5, **kw)
+
+
+@pytest.mark.parametrize("opt_cls,kw,keys", [
+    (torch.optim.AdamW, {"amsgrad": True, "betas": (0.8, 0.95)}, {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}),
+    (torch.optim.SGD, {"momentum": 0.9, "nesterov": True}, {"momentum_buffer"}),
+])
+def test_optimizer_state_round_trip(pg, tmp_path, opt_cls, kw, keys):
+    sm, opt = _trained(opt_cls=opt_cls, **kw)
+    yashard.save_checkpoint(tmp_path / "ck", sm, opt, extra={"step": 2})
+    sm2, opt2 = _fresh(opt_cls=opt_cls, **({"momentum": 0.1} if opt_cls is torch.optim.SGD else {}))
+    masters = [u.master for u in sm2.runtime.units]
+    assert yashard.load_checkpoint(tmp_path / "ck", sm2, opt2) == {"step": 2}
+    assert [u.master for u in sm2.runtime.units] == masters                    # same Parameter objects
+    assert all(p is q for p, q in zip(masters, (p for g in opt2.param_groups for p in g["params"])))
+    for g, g2 in zip(opt.param_groups, opt2.param_groups):
+        assert {k: v for k, v in g.items() if k != "params"} == {k: v for k, v in g2.items() if k != "params"}
+    for u, u2 in zip(sm.runtime.units, sm2.runtime.units):
+        assert torch.equal(u.master, u2.master)
+        st, st2 = opt.state[u.master], opt2.state[u2.master]
+        assert set(st2) == keys
+        for k in keys:
+            assert torch.equal(st[k], st2[k]) and st[k].dtype == st2[k].dtype, k
+    for m, o in ((sm, opt), (sm2, opt2)):   # one more step on both: bitwise the same
+        x = batches(1, 2, 8, 96, seed=9)[0]
+        m(input_ids=x, labels=x).loss.backward()
+        o.step()
+    assert all(torch.equal(u.master, u2.master) for u, u2 in zip(sm.runtime.units, sm2.runtime.units))
+
+
+def test_load_without_optimizer_and_save_without_optimizer(pg, tmp_path):
+    sm, opt = _trained()
+    yashard.save_checkpoint(tmp_path / "a", sm, opt)
+    sm2, _ = _fresh()
+    assert yashard.load_checkpoint(tmp_path / "a", sm2) is None
+    assert all(torch.equal(u.master, u2.master) for u, u2 in zip(sm.runtime.units, sm2.runtime.units))
+    yashard.save_checkpoint(tmp_path / "b", sm)
+    sm3, opt3 = _fresh()
+    with pytest.raises(CheckpointError, match=r"holds no optimizer state \(it was saved without an optimizer\); "
+                                              r"call load_checkpoint\(path, model\) without one"):
+        yashard.load_checkpoint(tmp_path / "b", sm3, opt3)
+
+
+def test_a_new_save_replaces_the_old_and_keeps_one_directory(pg, tmp_path):
+    sm, opt = _trained()
+    first = yashard.save_checkpoint(tmp_path / "ck", sm, opt, extra={"step": 2})
+    x = batches(1, 2, 8, 96, seed=3)[0]
+    sm(input_ids=x, labels=x).loss.backward()
+    opt.step()
+    second = yashard.save_checkpoint(tmp_path / "ck", sm, opt, extra={"step": 3})
+    assert sorted(os.listdir(tmp_path / "ck")) == ["LATEST", second.name] and second.name != first.name
+    assert (tmp_path / "ck" / "LATEST").read_text().strip() == second.name
+    sm2, opt2 = _fresh()
+    assert yashard.load_checkpoint(tmp_path / "ck", sm2, opt2) == {"step": 3}
+    assert yashard.load_checkpoint(second, sm2, opt2) == {"step": 3}   # a save directory itself also loads
+    assert all(torch.equal(u.master, u2.master) for u, u2 in zip(sm.runtime.units, sm2.runtime.units))
+
+
+# ------------------------------------------------------------------------------------------------
+# Killed saves
+
+
+@pytest.mark.parametrize("victim,how", [(1, "shard"), (0, "pointer")])
+def test_killed_save_leaves_the_previous_checkpoint(pg, tmp_path, victim, how):
+    s = segment(family="llama")
+    path, ref, marker = tmp_path / "ck", tmp_path / "ref.safetensors", tmp_path / "killed.txt"
+    out = run_until_exit(save_then_killed_save, 2, s, str(path), str(ref), str(marker), victim, how)
+    assert marker.exists(), out                      # the kill happened where intended ...
+    assert out[victim][0] == 1 and out[victim][1] is None, out
+    assert all(rep is None or not rep[0] for _, rep in out.values()), out   # ... and no rank finished the save
+    saves = sorted(p.name for p in path.iterdir() if p.name.startswith("save-"))
+    committed = (path / "LATEST").read_text().strip()
+    assert len(saves) == 2 and committed == saves[0], (saves, committed)
+    partial = path / saves[1]
+    if how == "shard":
+        assert "while writing" in marker.read_text() and not (partial / "index.json").exists()
+        with pytest.raises(CheckpointError, match=r"is an incomplete save \(no index\.json\): the save that wrote it "
+                                                  r"was interrupted before it committed, so it is never loaded"):
+            yashard.load_checkpoint(partial, yashard.shard(build("llama")))
+    else:
+        assert (partial / "index.json").exists() and list(path.glob(".LATEST.tmp-*"))
+
+    # The previous checkpoint loads (here at W=1), bitwise the weights it was saved with.
+    sm, opt = _fresh()
+    assert yashard.load_checkpoint(path, sm, opt) == {"step": 1}
+    full = sm.full_state_dict()
+    expected = load_file(str(ref))
+    assert set(full) == set(expected) and all(torch.equal(full[k], expected[k]) for k in expected)
+    # The next save commits and clears the leftovers.
+    new = yashard.save_checkpoint(path, sm, opt, extra={"step": 1})
+    assert sorted(os.listdir(path)) == ["LATEST", new.name]
+
+
+# ------------------------------------------------------------------------------------------------
+# Errors
+
+
+@pytest.fixture
+def saved(pg, tmp_path):
+    sm, opt = _trained()
+    save_dir = yashard.save_checkpoint(tmp_path / "ck", sm, opt, extra={"step": 2})
+    return tmp_path / "ck", save_dir
+
+
+def test_error_path_missing(pg, tmp_path):
+    with pytest.raises(CheckpointError, match=r"checkpoint path .*nope does not exist"):
+        yashard.load_checkpoint(tmp_path / "nope", _fresh()[0])
+
+
+def test_error_not_a_checkpoint(pg, tmp_path):
+    sm = _fresh()[0]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match=r"empty is not a yashard checkpoint \(no LATEST or index\.json in it\)"):
+        yashard.load_checkpoint(tmp_path / "empty", sm)
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    with pytest.raises(CheckpointError, match=r"it looks like a HuggingFace model folder: load it with from_pretrained"):
+        yashard.load_checkpoint(tmp_path / "hf", sm)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointError, match=r"checkpoint path .*file is a file; pass the directory given to save_checkpoint"):
+        yashard.load_checkpoint(tmp_path / "file", sm)
+
+
+def test_error_interrupted_first_save(saved):
+    root, save_dir = saved
+    (root / "LATEST").unlink()
+    (save_dir / "index.json").unlink()
+    with pytest.raises(CheckpointError, match=rf"ck holds no committed checkpoint: no LATEST file, only the interrupted "
+                                              rf"save\(s\) {save_dir.name}"):
+        yashard.load_checkpoint(root, _fresh()[0])
+    with pytest.raises(CheckpointError, match=r"is an incomplete save \(no index\.json\)"):
+        yashard.load_checkpoint(save_dir, _fresh()[0])
+
+
+def test_error_pointer_damaged(saved):
+    root, save_dir = saved
+    (root / "LATEST").write_text("../../etc\n")
+    with pytest.raises(CheckpointError, match=r"LATEST is corrupt: it should name a save-<n>-<hex> directory, it holds '\.\./\.\./etc'"):
+        yashard.load_checkpoint(root, _fresh()[0])
+    (root / "LATEST").write_text("save-000009-0123abcd\n")
+    with pytest.raises(CheckpointError, match=r"LATEST names save-000009-0123abcd, but .*index\.json is missing"):
+        yashard.load_checkpoint(root, _fresh()[0])
+
+
+def test_error_index_damaged(saved):
+    root, save_dir = saved
+    index = json.loads((save_dir / "index.json").read_text())
+    (save_dir / "index.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match=r"index\.json is not a readable JSON index"):
+        yashard.load_checkpoint(root, _fresh()[0])
+    (save_dir / "index.json").write_text(json.dumps({**index, "format_version": 99}))
+    with pytest.raises(CheckpointError, match=r"has format_version 99, written by yashard 0\.1\.0; this yashard reads "
+                                              r"format_version <= 1: upgrade yashard"):
+        yashard.load_checkpoint(root, _fresh()[0])
+    bad = json.loads(json.dumps(index))
+    bad["params"]["model.norm.weight"]["pieces"][0]["lo"] = 1
+    (save_dir / "index.json").write_text(json.dumps(bad))
+    with pytest.raises(CheckpointError, match=r"the pieces of model\.norm\.weight do not cover it \(elements \[0, 1\) are "
+                                              r"in no piece\); the index is damaged"):
+        yashard.load_checkpoint(root, _fresh()[0])
+
+
+@pytest.mark.parametrize("family,overrides,expected", [
+    ("llama", {"intermediate_size": 48},
+     r"model\.layers\.0\.mlp\.down_proj\.weight: checkpoint shape \(32, 64\), model shape \(32, 48\)"),
+    ("llama", {"tie_word_embeddings": True},
+     r"lm_head\.weight: checkpoint shape \(96, 32\), model tied to model\.embed_tokens\.weight"),
+    ("qwen2", {}, r"model\.layers\.0\.self_attn\.k_proj\.bias: in the model \(shape \(16,\)\), not in the checkpoint"),
+    ("llama", {"num_hidden_layers": 3},
+     r"model\.layers\.3\.input_layernorm\.weight: in the checkpoint \(shape \(32,\)\), not in the model"),
+])
+def test_error_model_mismatch(saved, family, overrides, expected):
+    root, _ = saved
+    sm, opt = _fresh(family, overrides=overrides)
+    before = [u.master.clone() for u in sm.runtime.units]
+    with pytest.raises(CheckpointError, match=r"does not match the model: the checkpoint holds \d+ parameters of a "
+                                              r"LlamaForCausalLM \(LlamaConfig\), the model has \d+") as ei:
+        yashard.load_checkpoint(root, sm, opt)
+    assert any(__import__("re").search(expected, line) for line in str(ei.value).splitlines()), str(ei.value)
+    assert "Build the model from the config the checkpoint was saved with" in str(ei.value)
+    assert all(torch.equal(a, u.master) for a, u in zip(before, sm.runtime.units))   # nothing modified
+
+
+def test_error_missing_rank_file(saved):
+    root, save_dir = saved
+    (save_dir / "shard-00000-of-00001.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"is missing shard-00000-of-00001\.safetensors \(written by shard rank 0 "
+                                              r"of 1\); restore that file or load an earlier checkpoint"):
+        yashard.load_checkpoint(root, _fresh()[0])
+
+
+def test_error_truncated_and_garbage_files(saved):
+    root, save_dir = saved
+    f = save_dir / "shard-00000-of-00001.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=rf"shard-00000-of-00001\.safetensors is {len(data) // 2} bytes but the "
+                                              rf"index records {len(data)}: it was truncated"):
+        yashard.load_checkpoint(root, _fresh()[0])
+    f.write_bytes(b"\xff" * 8 + data[8:])     # same size, header length garbage
+    with pytest.raises(CheckpointError, match=r"shard-00000-of-00001\.safetensors is not a readable safetensors file "
+                                              r"\(SafetensorError: .*\); it is corrupt"):
+        yashard.load_checkpoint(root, _fresh()[0])
+
+
+class _Trap:
+    """Unpickling this creates a file: proof that something unpickled the shard."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+def test_error_pickle_where_a_shard_should_be(saved, tmp_path):
+    root, save_dir = saved
+    f = save_dir / "shard-00000-of-00001.safetensors"
+    marker = tmp_path / "unpickled"
+    f.write_bytes(pickle.dumps(_Trap(str(marker)), protocol=4))
+    with pytest.raises(CheckpointError, match=r"shard-00000-of-00001\.safetensors is a pickle file, not a safetensors "
+                                              r"shard; yashard never unpickles checkpoint files"):
+        yashard.load_checkpoint(root, _fresh()[0])
+    torch.save({"x": _Trap(str(marker))}, f)
+    with pytest.raises(CheckpointError, match=r"is a zip archive \(torch\.save writes these; they hold pickles\), not a "
+                                              r"safetensors shard"):
+        yashard.load_checkpoint(root, _fresh()[0])
+    assert not marker.exists()
+
+
+def test_error_optimizer_mismatch(saved):
+    root, _ = saved
+    sm, opt = _fresh(opt_cls=torch.optim.SGD)
+    with pytest.raises(CheckpointError, match=r"holds AdamW state \(torch\.optim\.adamw\), but the optimizer passed is "
+                                              r"SGD \(torch\.optim\.sgd\); build a AdamW to resume, or pass optimizer=None"):
+        yashard.load_checkpoint(root, sm, opt)
+    sm, _ = _fresh()
+    one_group = torch.optim.AdamW(sm.parameters(), lr=1e-3)
+    with pytest.raises(CheckpointError, match=r"the optimizer's param groups differ from the checkpoint's: checkpoint "
+                                              r"\[\['embed', 'layer_0'.*\], \['small'\]\], optimizer \[\['embed'"):
+        yashard.load_checkpoint(root, sm, one_group)
+    stranger = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))], lr=1e-3)
+    with pytest.raises(ValueError, match=r"optimizer param group 0 holds a tensor of shape \(3,\) that is not a master "
+                                         r"shard of this model"):
+        yashard.load_checkpoint(root, sm, stranger)
+
+
+def test_error_bad_save_inputs(pg, tmp_path):
+    sm, opt = _trained(steps=1)
+    with pytest.raises(TypeError, match=r"save_checkpoint\(extra=\.\.\.\) must be JSON-serialisable: extra\['t'\] is a Tensor"):
+        yashard.save_checkpoint(tmp_path / "a", sm, opt, extra={"t": torch.ones(1)})
+    assert not (tmp_path / "a").exists()        # refused before anything was written
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointError, match=r"save_checkpoint path .*file is a file; pass a directory"):
+        yashard.save_checkpoint(tmp_path / "file", sm, opt)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("x")
+    with pytest.raises(CheckpointError, match=r"mine exists and is not a yashard checkpoint directory \(it holds "
+                                              r"notes\.txt\); save into a new or empty directory"):
+        yashard.save_checkpoint(tmp_path / "mine", sm, opt)
+    with pytest.raises(TypeError, match=r"save_checkpoint expects the ShardedModel returned by yashard\.shard, got LlamaForCausalLM"):
+        yashard.save_checkpoint(tmp_path / "b", build("llama"))
+    stranger = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))], lr=1e-3)
+    with pytest.raises(ValueError, match=r"optimizer param group 0 holds a tensor of shape \(3,\) that is not a master"):
+        yashard.save_checkpoint(tmp_path / "b", sm, stranger)
+    master = sm.runtime.units[0].master
+    opt.state[master]["odd"] = torch.zeros(5)
+    with pytest.raises(TypeError, match=r"optimizer state 'odd' of unit embed is a \(5,\) tensor, which a yashard "
+                                        r"checkpoint cannot store"):
+        yashard.save_checkpoint(tmp_path / "b", sm, opt)
+    del opt.state[master]["odd"]
+    opt.param_groups[0]["fn"] = lambda: 0
+    with pytest.raises(TypeError, match=r"optimizer\.param_groups\[0\]\['fn'\] is a function"):
+        yashard.save_checkpoint(tmp_path / "b", sm, opt)
+    assert not (tmp_path / "b").exists()
+
+
+def test_error_bad_export_inputs(pg, tmp_path):
+    sm, _ = _fresh()
+    with pytest.raises(ValueError, match=r"export_hf dtype=torch\.int8 is not supported; use torch\.float32"):
+        yashard.export_hf(sm, tmp_path / "x", dtype=torch.int8)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointError, match=r"export_hf path .*file is a file; pass a directory path"):
+        yashard.export_hf(sm, tmp_path / "file")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("x")
+    with pytest.raises(CheckpointError, match=r"mine exists and is not a model folder \(it holds notes\.txt, no "
+                                              r"config\.json\); export to a new path, or remove it first"):
+        yashard.export_hf(sm, tmp_path / "mine")
+    assert sorted(os.listdir(tmp_path)) == ["file", "mine"]   # no temp directory left behind
+
+
+def test_export_failure_keeps_the_previous_export(pg, tmp_path, monkeypatch):
+    sm, _ = _trained(steps=1)
+    yashard.export_hf(sm, tmp_path / "hf")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()}
+    import yashard.hf_export as hx
+
+    calls = [0]
+    real = hx.StreamedSafetensors.write
+
+    def failing(self, key, t):
+        calls[0] += 1
+        if calls[0] == 5:
+            raise OSError("disk full (simulated)")
+        real(self, key, t)
+
+    monkeypatch.setattr(hx.StreamedSafetensors, "write", failing)
+    with pytest.raises(OSError, match=r"disk full \(simulated\)"):
+        yashard.export_hf(sm, tmp_path / "hf")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()} == before
+    assert sorted(os.listdir(tmp_path)) == ["hf"]

@@ -1,0 +1,177 @@
+"""Export a sharded model as a HuggingFace sharded-safetensors folder, one unit at a time.
+
+The folder ``from_pretrained`` reads::
+
+    <path>/
+      config.json                          model.config.save_pretrained (dtype set to the export dtype)
+      generation_config.json               when the model has one
+      model.safetensors.index.json         {"metadata": {"total_size": bytes}, "weight_map": {name: file}}
+      model-00001-of-000NN.safetensors     one file per unit: embedding, each decoder layer, lm_head,
+      ...                                  the norm group
+
+Streaming: for each unit every rank joins one all-gather of the unit's flat vector into a temporary
+buffer and rank 0 writes that unit's tensors (cast to ``dtype``) to its file, so the extra memory is
+one unit. With tied input/output embeddings only the input embedding is stored; ``from_pretrained``
+re-ties the output embedding to it (transformers lists it in ``_tied_weights_keys``).
+
+Atomic protocol: rank 0 writes into a fresh sibling directory ``.<name>.yashard-tmp-<random>``,
+fsyncs every file and the directory, then publishes it in one step: ``rename`` when ``path`` does not
+exist, else an atomic exchange of the two directories (Linux ``renameat2(RENAME_EXCHANGE)``) after
+which the old export is deleted. Where the exchange is unsupported (non-Linux, NFS) it falls back to
+two renames (old aside to ``.<name>.yashard-old-<random>``, new in): a crash between them leaves
+``path`` missing but both complete folders on disk, never a partial folder at ``path``. Leftover
+temporary siblings of killed exports are removed by the next export to the same path.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import secrets
+import shutil
+from pathlib import Path
+
+import torch
+
+from ._io import StreamedSafetensors, exchange_dirs, fsync_dir, fsync_file
+from .checkpoint import CheckpointError, _agree, _runtime
+
+WEIGHTS_INDEX = "model.safetensors.index.json"
+_EXPORT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def export_file_name(i: int, n: int) -> str:
+    """HF's name of shard ``i`` (1-based) of ``n``."""
+    return f"model-{i:05d}-of-{n:05d}.safetensors"
+
+
+def _input_embedding_name(hf) -> str | None:
+    get = getattr(hf, "get_input_embeddings", None)
+    emb = get() if callable(get) else None
+    for name, module in hf.named_modules():
+        if module is emb:
+            return f"{name}.weight"
+    return None
+
+
+def stored_names(fqns: list[list[str]], input_embedding: str | None) -> list[str]:
+    """Per entry, the one HF name to store: the input embedding's for tied embeddings, else the first."""
+    return [input_embedding if input_embedding in names else names[0] for names in fqns]
+
+
+def _looks_like_model_folder(p: Path) -> bool:
+    names = set(os.listdir(p))
+    return not names or "config.json" in names
+
+
+def _prepare(dest: Path) -> Path:
+    """Check ``dest`` (rank 0), remove leftovers of killed exports, create the temporary directory."""
+    if dest.exists() and not dest.is_dir():
+        raise CheckpointError(f"export_hf path {dest} is a file; pass a directory path")
+    if dest.is_dir() and not _looks_like_model_folder(dest):
+        shown = ", ".join(sorted(os.listdir(dest))[:5])
+        raise CheckpointError(
+            f"export_hf path {dest} exists and is not a model folder (it holds {shown}, no config.json); "
+            "export to a new path, or remove it first"
+        )
+    parent = dest.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    for name in os.listdir(parent):
+        if name.startswith((f".{dest.name}.yashard-tmp-", f".{dest.name}.yashard-old-")):
+            shutil.rmtree(parent / name, ignore_errors=True)
+    tmp = parent / f".{dest.name}.yashard-tmp-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    return tmp
+
+
+def _publish(tmp: Path, dest: Path) -> None:
+    for f in tmp.iterdir():
+        fsync_file(f)
+    fsync_dir(tmp)
+    if not dest.exists():
+        os.rename(tmp, dest)
+    elif exchange_dirs(tmp, dest):
+        shutil.rmtree(tmp)               # tmp now holds the previous export
+    else:  # pragma: no cover - non-Linux or NFS
+        old = dest.parent / f".{dest.name}.yashard-old-{secrets.token_hex(4)}"
+        os.rename(dest, old)
+        os.rename(tmp, dest)
+        shutil.rmtree(old)
+    fsync_dir(dest.parent)
+
+
+def export_hf(model, path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> Path:
+    """Write ``model``'s full weights as a HuggingFace folder that ``from_pretrained(path)`` loads.
+
+    Collective: every rank calls it; rank 0 writes. Streamed unit by unit (peak extra memory: one
+    unit's gathered flat vector), in HF's sharded format (one ``model-0000i-of-0000N.safetensors``
+    per unit plus ``model.safetensors.index.json`` and ``config.json``). Tied embeddings are stored
+    once, under the input embedding's name. ``dtype`` (float32 by default, or bfloat16 / float16)
+    casts every tensor and is written to the config. Atomic (module docstring): ``path`` holds
+    either the previous folder or the complete new one. Returns ``path``.
+    """
+    rt = _runtime(model, "export_hf")
+    comm = rt.comm
+    dtype = torch.float32 if dtype is None else dtype
+    if dtype not in _EXPORT_DTYPES:
+        raise ValueError(f"export_hf dtype={dtype} is not supported; use torch.float32, torch.bfloat16 or torch.float16")
+    hf = rt.model
+    dest = Path(path)
+    err, tmp = None, None
+    try:
+        if comm.rank == 0:
+            tmp = _prepare(dest)
+    except Exception as e:  # noqa: BLE001 - shared with every rank by _agree
+        err = e
+    tmp = Path(_agree(comm, "export_hf", err, str(tmp) if tmp else None)[0])
+
+    units = rt.units
+    emb = _input_embedding_name(hf)
+    n = len(units)
+    weight_map: dict[str, str] = {}
+    total = 0
+    err = None
+    with torch.no_grad():
+        for i, u in enumerate(units):
+            flat = torch.empty(u.layout.padded, dtype=torch.float32, device=u.master.device)
+            comm.all_gather(flat, u.master.detach().contiguous(), u.name).wait()
+            if comm.rank != 0 or err is not None:
+                continue  # keep joining the gathers: every rank issues the same collectives
+            writer = None
+            try:
+                fname = export_file_name(i + 1, n)
+                names = stored_names(u.fqns, emb)
+                writer = StreamedSafetensors(tmp / fname, [(nm, dtype, e.shape) for nm, e in zip(names, u.layout.entries)],
+                                             metadata={"format": "pt"})
+                for nm, e in zip(names, u.layout.entries):
+                    writer.write(nm, flat[e.offset:e.end].view(e.shape).to(dtype))
+                    weight_map[nm] = fname
+                    total += e.numel * flat.new_empty((), dtype=dtype).element_size()
+                writer.close()
+            except Exception as e:  # noqa: BLE001
+                err = e
+                if writer is not None:
+                    writer.abort()
+            del flat
+    try:
+        if comm.rank == 0 and err is None:
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+            with open(tmp / WEIGHTS_INDEX, "w", encoding="utf-8") as f:
+                json.dump(index, f, indent=2)
+                f.flush()
+                os.fsync(f.fileno())
+            cfg = copy.deepcopy(hf.config)
+            cfg.dtype = dtype
+            cfg.architectures = [type(hf).__name__]
+            cfg.save_pretrained(tmp)
+            gen = getattr(hf, "generation_config", None)
+            if gen is not None:
+                gen.save_pretrained(tmp)
+            _publish(tmp, dest)
+    except Exception as e:  # noqa: BLE001
+        err = e
+    if err is not None and comm.rank == 0 and tmp.exists():
+        shutil.rmtree(tmp, ignore_errors=True)  # never published; the previous export is untouched
+    _agree(comm, "export_hf", err)
+    return dest

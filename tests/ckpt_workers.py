@@ -1,4 +1,4 @@
-"""Rank functions and a kill-tolerant harness variant for the checkpoint tests.
+"""Rank functions for the checkpoint tests.
 
 A *segment* trains steps ``[start, stop)`` of one fixed data stream: the global batch of step ``i``
 is ``batches(...)[i]`` whatever the world size, and rank r takes rows ``[r * B/W, (r + 1) * B/W)``.
@@ -8,16 +8,12 @@ at any world sizes can be compared with the uninterrupted run.
 
 from __future__ import annotations
 
-import io
-import multiprocessing as mp
 import os
-import time
 
 import torch
 import torch.distributed as dist
 
 import yashard
-from harness import _entry, _free_port
 from models import batches, build
 
 SEG = dict(family="llama", overrides={}, seed=0, lr=1e-3, wd=0.1, clip=1.0, global_batch=6, seq=12, total=6,
@@ -158,89 +154,3 @@ def save_then_killed_save(rank: int, world: int, s: dict, path: str, ref: str, m
         opt.zero_grad()
     yashard.save_checkpoint(path, sm, opt, extra={"step": 2})
     return "save returned"  # only reached if the kill did not happen
-
-
-_PRELOAD = ["torch", "torch.distributed", "transformers", "transformers.models.llama.modeling_llama",
-            "transformers.models.qwen2.modeling_qwen2", "safetensors.torch", "yashard", "models", "harness",
-            "ckpt_workers"]
-
-
-def _context():
-    """A forkserver context that has imported torch, transformers and yashard once: each rank then
-    starts in well under a second instead of re-importing them (spawn, ~9 s of CPU per rank here).
-    The server is a fresh interpreter (no threads or state inherited from pytest); spawn where
-    forkserver does not exist."""
-    if "forkserver" not in mp.get_all_start_methods():  # pragma: no cover - Windows
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
-    return ctx
-
-
-def _start(fn, world: int, args):
-    ctx = _context()
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, queue), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    return procs, queue
-
-
-def launch(fn, world: int, *args, timeout: float = 240.0) -> list:
-    """``harness.run_distributed`` on the preloaded forkserver: same ``_entry``, same contract."""
-    procs, queue = _start(fn, world, args)
-    results: dict[int, object] = {}
-    errors: list[str] = []
-    try:
-        for _ in range(world):
-            try:
-                rank, ok, payload = queue.get(timeout=timeout)
-            except Exception as e:  # queue.Empty
-                raise TimeoutError(f"a rank did not report within {timeout}s ({len(results)} of {world} did)") from e
-            if ok:
-                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
-            else:
-                errors.append(f"--- rank {rank} ---\n{payload}")
-                break
-    finally:
-        for p in procs:
-            p.join(timeout=30 if not errors else 2)
-            if p.is_alive():
-                p.kill()
-    if errors:
-        raise RuntimeError("distributed run failed:\n" + "\n".join(errors))
-    return [results[r] for r in range(world)]
-
-
-def run_until_exit(fn, world: int, *args, timeout: float = 120.0, grace: float = 0.5) -> dict:
-    """Like :func:`launch`, but tolerates ranks that die: once one rank has exited, the others get
-    ``grace`` seconds and are then killed (what a job scheduler does). Returns
-    ``{rank: (exitcode, reported)}`` where ``reported`` is ``(ok, payload)`` if the rank sent a
-    result, else None."""
-    procs, queue = _start(fn, world, args)
-    deadline = time.monotonic() + timeout
-    first_exit = None
-    reported: dict[int, tuple] = {}
-
-    def take(wait: float) -> bool:
-        try:
-            rank, ok, payload = queue.get(timeout=wait)
-        except Exception:  # queue.Empty
-            return False
-        reported[rank] = (ok, torch.load(io.BytesIO(payload), weights_only=False) if ok else payload)
-        return True
-
-    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-        if first_exit is None and any(not p.is_alive() for p in procs):
-            first_exit = time.monotonic()
-        if first_exit is not None and time.monotonic() - first_exit > grace:
-            break
-        take(0.1)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-        p.join(timeout=10)
-    while take(0.2):
-        pass
-    return {r: (procs[r].exitcode, reported.get(r)) for r in range(world)}

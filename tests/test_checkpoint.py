@@ -1,7 +1,7 @@
 """Sharded checkpoints (save, resume, reshard, crash safety, errors) and the HuggingFace export.
 
 Multi-process parts run each rank through ``harness._entry`` (gloo, CPU), started from a forkserver
-that imported torch/transformers once (``ckpt_workers.launch``); a module-scoped fixture trains the
+that imported torch/transformers once (``harness.run_distributed``); a module-scoped fixture trains the
 uninterrupted W=2 reference once (Llama, tied Llama, Qwen2 with biases), saving at steps 2 and 3 and
 exporting at the end; resumed runs are compared with it. Error paths and single-rank round trips
 use a 1-rank gloo group in this process.
@@ -10,11 +10,9 @@ use a 1-rank gloo group in this process.
 import json
 import os
 import pickle
-import shutil
 import socket
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -25,7 +23,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import yashard
-from ckpt_workers import launch, run_segments, run_until_exit, save_then_killed_save, segment
+from ckpt_workers import run_segments, save_then_killed_save, segment
+from harness import run_distributed as launch, run_until_exit
 from models import batches, build
 from workers import rel_err
 from yashard._io import StreamedSafetensors, exchange_dirs, sniff_foreign_format

@@ -6,7 +6,6 @@ import logging
 import os
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from .collectives import Comm

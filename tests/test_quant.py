@@ -54,6 +54,15 @@ def test_slice_order_matches_the_paper():
 # ------------------------------------------------------------------------------ format (torch)
 
 
+def test_empty_tensors():
+    for bits in (8, 4):
+        codes, scales, out = qdq(torch.zeros(0), bits, 16)
+        assert codes.numel() == scales.numel() == out.numel() == 0
+        buf = torch.zeros(0, dtype=torch.uint8)
+        Q.quantize_parts(torch.zeros(0), buf, nparts=3, bits=bits)
+        Q.dequantize_parts(buf, nparts=3, numel=0, out=torch.zeros(0), bits=bits)
+
+
 def test_scales_and_codes_follow_the_definition():
     x = sample(1000, FP32, seed=1)
     for bits in (8, 4):
@@ -186,6 +195,21 @@ def test_triton_matches_torch_bitwise():
     assert "all triton checks passed (interpreted)" in r.stdout, r.stdout
 
 
+def test_kernels_compile_for_h100_with_ieee_arithmetic():
+    """Compile (no GPU needed) for sm_90 and check the PTX for what the bitwise agreement with the
+    CPU relies on: IEEE division (div.rn), no FMA contraction, no flush-to-zero of subnormals."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("kernels are interpreted in this process")
+    ptx = quant_checks.compile_sm90_ptx()
+    assert "div.rn.f32" in ptx["quant int8 fp32"] and "div.rn.f32" in ptx["dequant-requant int4"]
+    assert "cvt.rn.f16" in ptx["dequant int4 -> fp16"]  # round to nearest even (f16 or f16x2)
+    for name, text in ptx.items():
+        assert "fma.rn.f32" not in text and ".ftz" not in text and "div.full" not in text \
+            and "div.approx" not in text, name
+
+
 # ---------------------------------------------------------------------------------------- errors
 
 
@@ -227,6 +251,9 @@ def test_errors_name_the_problem_and_the_fix():
         Q.quantize_parts(torch.randn(200), buf, nparts=2)
     with pytest.raises(ValueError, match=r"buf must be a contiguous 1-D torch.uint8 buffer, got dtype torch.int8"):
         Q.quantize_parts(x, buf.view(torch.int8), nparts=1)
+    with pytest.raises(ValueError, match=r"buf must start at a 16-byte aligned address \(its scales are read as fp32\); "
+                                         r"slice byte workspaces at multiples of 16"):
+        Q.quantize_parts(x, torch.zeros(100, dtype=torch.uint8)[3:], nparts=1, block=16)
     with pytest.raises(ValueError, match=r"needs exactly one of out= \(values\) or requant= \(a packed buffer\)"):
         Q.dequantize_parts(buf, nparts=1, numel=10)
     with pytest.raises(ValueError, match=r"reduce_stride must be a non-negative multiple of 16 bytes, got 8"):

@@ -26,7 +26,8 @@ Implementations
 ---------------
 Triton kernels (:mod:`yashard.kernels.quant_triton`) for CUDA tensors, a torch implementation for
 everything else (and for CUDA when triton is missing); ``backend="auto"`` picks by device. Both produce
-bitwise-identical codes, scales and dequantized values (same fp32 operations in the same order). The
+bitwise-identical codes, scales and dequantized values (same IEEE fp32 operations in the same order, no
+FMA contraction, no flush-to-zero; NaN payloads may differ). The
 Triton path allocates nothing and never synchronizes the device: it runs on the current stream. The
 torch path allocates temporaries (it serves CPU runs and tests).
 
@@ -171,6 +172,9 @@ def _check_bytes(name: str, t: torch.Tensor, need: int) -> None:
     if t.numel() < need:
         raise ValueError(f"{name} holds {t.numel()} bytes but {need} are needed; size it with the "
                          f"matching *_nbytes helper")
+    if t.device.type != "meta" and t.data_ptr() % ALIGN:
+        raise ValueError(f"{name} must start at a {ALIGN}-byte aligned address (its scales are read as "
+                         f"fp32); slice byte workspaces at multiples of {ALIGN}")
 
 
 def _check_device(**tensors: torch.Tensor) -> torch.device:
@@ -313,6 +317,8 @@ def quantize_parts(x: torch.Tensor, buf: torch.Tensor, *, nparts: int, bits: int
     lay = packed_layout(m, bits, block)
     _check_bytes("buf", buf, nparts * lay.nbytes)
     device = _check_device(x=x, buf=buf)
+    if m == 0:
+        return
     if resolve_backend(device, backend) == "triton":
         sc = _f32_view(buf)[lay.scales_offset // 4:]
         _triton_module().launch_quantize(x, m, buf, lay.nbytes, sc, lay.nbytes // 4, m, nparts, block,
@@ -354,6 +360,8 @@ def dequantize_parts(buf: torch.Tensor, *, nparts: int, numel: int, out: torch.T
         _check_bytes("requant", requant, nparts * lay.nbytes)
         device = _check_device(buf=buf, requant=requant)
     qmax, int4 = QMAX[bits], bits == 4
+    if numel == 0:
+        return
     if resolve_backend(device, backend) == "triton":
         sc = _f32_view(buf)[lay.scales_offset // 4:]
         qsc = None if requant is None else _f32_view(requant)[lay.scales_offset // 4:]

@@ -324,9 +324,8 @@ def quantize_parts(x: torch.Tensor, buf: torch.Tensor, *, nparts: int, bits: int
         _triton_module().launch_quantize(x, m, buf, lay.nbytes, sc, lay.nbytes // 4, m, nparts, block,
                                          QMAX[bits], bits == 4, rows, cols, _p2(block))
     else:
-        xs = x.view(nparts, m)
-        if cols != 1:
-            xs = xs[torch.tensor(transpose_order(rows, cols), device=device)]
+        # piece r * cols + c goes to part c * rows + r (transpose_order), as a view: no index tensor
+        xs = x.view(rows, cols, m).transpose(0, 1).reshape(nparts, m)
         codes, scales = _part_views(buf, lay, nparts)
         _torch_quantize(xs, codes, scales, QMAX[bits], bits == 4, block)
 

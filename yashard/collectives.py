@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_to_all = dist.all_to_all_single
 
 
 @dataclass
@@ -74,6 +75,42 @@ class Comm:
         """Blocking broadcast from group rank ``src_rank``."""
         self.log.add("broadcast", unit, t)
         dist.broadcast(t, src=dist.get_global_rank(self.group, src_rank), group=self.group)
+
+    # -- explicit-group collectives (quantized communication, yashard/zeropp.py) -------------------
+
+    def group_rank_size(self, group: dist.ProcessGroup | None = None) -> tuple[int, int]:
+        """``(this rank's index in group, group size)``; ``None`` means ``self.group``. Local query."""
+        g = self.group if group is None else group
+        return dist.get_rank(g), dist.get_world_size(g)
+
+    def group_members(self, group: dist.ProcessGroup) -> list[int]:
+        """The ranks of ``self.group`` that form ``group``, in ``group``-rank order. Local query."""
+        return [dist.get_group_rank(self.group, r) for r in dist.get_process_group_ranks(group)]
+
+    def all_gather_in(self, out: torch.Tensor, shard: torch.Tensor, unit: str, group: dist.ProcessGroup | None):
+        """Gather every member's ``shard`` into ``out`` over ``group`` (``None``: ``self.group``); ``shard``
+        may be this rank's slot of ``out`` (in place). Logged as ``all_gather`` with ``out``'s size."""
+        self.log.add("all_gather", unit, out)
+        return _all_gather(out, shard, group=self.group if group is None else group, async_op=True)
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, unit: str, group: dist.ProcessGroup | None):
+        """``all_to_all_single`` over ``group`` (``None``: ``self.group``): ``inp`` is cut into group-size
+        equal segments, segment ``i`` goes to member ``i``; ``out`` receives member ``i``'s segment for this
+        rank at segment ``i``. Logged as ``all_to_all`` with ``inp``'s size (= what this rank sends,
+        its own segment included)."""
+        self.log.add("all_to_all", unit, inp)
+        return _all_to_all(out, inp, group=self.group if group is None else group, async_op=True)
+
+    def new_subgroups(self, rank_lists: list[list[int]]) -> dist.ProcessGroup | None:
+        """Create one process group per list of ``self.group`` ranks, in order (every rank of
+        ``self.group`` must call this with the same lists: group creation is collective), and return
+        the group this rank belongs to (``None`` if none)."""
+        mine = None
+        for ranks in rank_lists:
+            g = dist.new_group([dist.get_global_rank(self.group, r) for r in ranks])
+            if self.rank in ranks:
+                mine = g
+        return mine
 
     def all_gather_object(self, obj) -> list:
         out = [None] * self.world

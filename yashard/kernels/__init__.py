@@ -1,0 +1,1 @@
+"""Device kernels (Triton). Imported lazily: yashard works without triton (torch fallbacks)."""

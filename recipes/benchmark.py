@@ -369,7 +369,7 @@ def yashard_comm(eng: Engine, args, vocab, seq, device, mem) -> list[str]:
     log.clear()
     n = args.steps
     count, nbytes = Counter(), Counter()
-    for op, _unit, _numel, b in recs:
+    for op, _unit, _numel, b, _group in recs:
         count[op] += 1
         nbytes[op] += b
     per_op = ", ".join(f"{op} {count[op] / n:g} x, {human(nbytes[op] / n)}" for op in sorted(count))

@@ -195,11 +195,11 @@ def test_qgz_two_nodes_of_two():
         assert e["swapped"] == (
             f"ValueError: shard rank {rank} got intra_group ranks {[[0, 2], [1, 3]][rank % 2]} and inter_group ranks "
             f"{[[0, 1], [2, 3]][rank // 2]}, but qgz_group_ranks(4, 2) gives it {[[0, 1], [2, 3]][rank // 2]} and "
-            f"{[[0, 2], [1, 3]][rank % 2]}; pass this rank's groups from comm.new_subgroups(intra) / "
-            f"comm.new_subgroups(inter)")
+            f"{[[0, 2], [1, 3]][rank % 2]}; pass this rank's groups from comm.new_shard_subgroups(intra) / "
+            f"comm.new_shard_subgroups(inter)")
         assert e["too_few"] == ("ValueError: intra_group (1 ranks) x inter_group (1 ranks) tile 1 ranks but the "
                                 "shard group has 4; build the groups from qgz_group_ranks(world, ranks_per_node) "
-                                "with comm.new_subgroups")
+                                "with comm.new_shard_subgroups")
         assert e["sizes"] == ("ValueError: full has 1024 elements and out 255: full must hold world (4) x "
                               "out.numel() elements")
         assert e["workspace"].startswith("ValueError: workspace holds 100 bytes but ")

@@ -38,11 +38,11 @@ def run_qwz(rank: int, world: int, cases: list[dict]) -> list[dict]:
         ws = torch.empty(qwz_workspace_nbytes(s, world, bits=bits, block=block), dtype=torch.uint8)
         comm.log.clear()
         qwz_all_gather(comm, out, shard, ws, bits=bits, block=block, unit="w")
-        q_log = list(comm.log.records)
+        q_log = [tuple(r[:4]) for r in comm.log.records]
         comm.log.clear()
         plain = torch.empty(world * s, dtype=shard.dtype)
         comm.all_gather(plain, shard, "w").wait()
-        results.append(dict(out=out, plain=plain, q_log=q_log, plain_log=list(comm.log.records)))
+        results.append(dict(out=out, plain=plain, q_log=q_log, plain_log=[tuple(r[:4]) for r in comm.log.records]))
     return results
 
 
@@ -51,7 +51,7 @@ def make_groups(comm: Comm, world: int, ranks_per_node: list[int]) -> dict:
     groups = {}
     for L in ranks_per_node:
         intra, inter = qgz_group_ranks(world, L)
-        groups[L] = (comm.new_subgroups(intra), comm.new_subgroups(inter))
+        groups[L] = (comm.new_shard_subgroups(intra), comm.new_shard_subgroups(inter))
     return groups
 
 
@@ -72,11 +72,11 @@ def run_qgz(rank: int, world: int, cases: list[dict], errors: bool = False) -> d
         comm.log.clear()
         qgz_reduce_scatter(comm, out, full, ws, intra_group=intra, inter_group=inter, bits=bits, block=block,
                            unit="g")
-        q_log = list(comm.log.records)
+        q_log = [tuple(r[:4]) for r in comm.log.records]
         comm.log.clear()
         plain = torch.empty(c)
         comm.reduce_scatter(plain, full.float(), "g").wait()
-        results.append(dict(out=out, plain=plain, q_log=q_log, plain_log=list(comm.log.records)))
+        results.append(dict(out=out, plain=plain, q_log=q_log, plain_log=[tuple(r[:4]) for r in comm.log.records]))
     res = dict(results=results)
     if errors:
         res["errors"] = error_cases(comm, rank, world, groups)

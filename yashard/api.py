@@ -82,6 +82,12 @@ class ShardedModel(nn.Module):
         """Full fp32 gradients by HF name (zeros where none). Collective: call on every rank."""
         return self._runtime.gather_full("grads")
 
+    def register_comm_hook(self, state, hook) -> None:
+        """Replace how each unit's gradients are reduced, like DDP's ``register_comm_hook``:
+        ``hook(state, bucket) -> Future`` of this rank's shard of the SUM (see
+        :mod:`yashard.comm_hooks`; built-ins there). Call once, before the first forward."""
+        self._runtime.register_comm_hook(state, hook)
+
     def collective_log(self):
         """The :class:`~yashard.collectives.CollectiveLog` of this rank (set ``.enabled = True`` to record)."""
         return self._runtime.comm.log
@@ -114,7 +120,8 @@ def shard(model: nn.Module, *, config: ShardConfig | None = None, process_group=
         config = ShardConfig()
     elif not isinstance(config, ShardConfig):
         raise TypeError(f"config must be a yashard.ShardConfig, got {type(config).__name__}")
-    comm = Comm(process_group)
+    comm = Comm(process_group, shard_group_size=config.shard_group_size,
+                secondary_group_size=config.secondary_group_size)
     spec = resolve_spec(model)
     device = _pick_device(config, comm)
     if device.type == "cuda" and "nccl" not in comm.backend:

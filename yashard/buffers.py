@@ -34,6 +34,7 @@ class Slot:
         # refilling a buffer never trips autograd's "modified by an inplace operation" check on the
         # parameter views saved for backward (the refill is ordered by events, not by autograd).
         self.weights_io = self.weights.data
+        self.qwz_workspace: torch.Tensor | None = None  # qwZ: gathered codes + scales (uint8)
         # Ownership state.
         self.owner = None            # unit whose weights are (being) gathered here
         self.release = None          # event: compute finished reading the owner's weights
@@ -42,7 +43,10 @@ class Slot:
         self.zeroed_signature = None  # layout whose non-parameter ranges are known to be zero
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {"weights": self.weights, "grads": self.grads, "reduced": self.reduced}
+        out = {"weights": self.weights, "grads": self.grads, "reduced": self.reduced}
+        if self.qwz_workspace is not None:
+            out["qwz_workspace"] = self.qwz_workspace
+        return out
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors().values())

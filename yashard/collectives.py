@@ -2,43 +2,66 @@
 
 Keeping them in one place lets us follow torch's API renames (``all_gather_into_tensor`` ->
 ``all_gather_single`` in torch 2.13) in one spot, and lets tests read a log of every collective a
-rank issued, in order, with its size.
+rank issued, in order, with its size and group.
 
-All collectives here are asynchronous: they return a work handle. ``work.wait()`` on NCCL makes the
-*current* stream wait (the host does not block); on gloo it blocks the host until the data landed.
+The asynchronous collectives return a work handle. ``work.wait()`` on NCCL makes the *current*
+stream wait (the host does not block); on gloo it blocks the host until the data landed.
+
+Groups (see :mod:`yashard.topology`): ``group`` is the data-parallel group yashard was given;
+units are sharded over ``shard_group`` (all of ``group`` unless hybrid sharding), identical shards
+live on the ranks of ``replica_group`` (hybrid sharding), and hpZ's backward gathers stay inside
+``secondary_group``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from .topology import Topology
+
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_to_all = dist.all_to_all_single
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+class Record(NamedTuple):
+    """One logged collective: ``nbytes`` is the size of the tensor named in each method's docstring."""
+
+    op: str
+    unit: str
+    numel: int
+    nbytes: int
+    group: str
 
 
 @dataclass
 class CollectiveLog:
-    """Ordered record of the collectives one rank issued: ``(op, unit, numel, bytes)``."""
+    """Ordered record of the collectives one rank issued."""
 
     enabled: bool = False
-    records: list[tuple[str, str, int, int]] = field(default_factory=list)
+    records: list[Record] = field(default_factory=list)
 
-    def add(self, op: str, unit: str, t: torch.Tensor) -> None:
+    def add(self, op: str, unit: str, t: torch.Tensor, group: str) -> None:
         if self.enabled:
-            self.records.append((op, unit, t.numel(), t.numel() * t.element_size()))
+            self.records.append(Record(op, unit, t.numel(), t.numel() * t.element_size(), group))
 
     def clear(self) -> None:
         self.records.clear()
 
 
 class Comm:
-    """The process group plus the collectives the runtime needs, each logged."""
+    """The process groups plus the collectives the runtime needs, each logged.
 
-    def __init__(self, group: dist.ProcessGroup | None):
+    Creating subgroups is collective: every rank of ``group`` constructs its ``Comm`` with the same
+    sizes, in the same order relative to other group creations.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, *, shard_group_size: int | None = None,
+                 secondary_group_size: int | None = None):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "yashard.shard needs an initialised process group: call "
@@ -50,61 +73,28 @@ class Comm:
         self.world = dist.get_world_size(self.group)
         self.backend = str(dist.get_backend(self.group))
         self.log = CollectiveLog()
-        # Sharding coordinates. Units are laid out and sharded over the *shard group* (``shard_world``
-        # ranks, this rank is ``shard_rank`` in it); ``replica_world`` shard groups hold identical
-        # copies (hybrid sharding). Without hybrid sharding the shard group is the whole group.
-        self.shard_rank, self.shard_world = self.rank, self.world
-        self.replica_rank, self.replica_world = 0, 1
+        self.topology = topo = Topology(self.world, self.rank, shard_group_size or self.world, secondary_group_size)
+        # Units are laid out and sharded over the shard group (this rank is ``shard_rank`` of
+        # ``shard_world``); ``replica_world`` shard groups hold identical copies (hybrid sharding).
+        self.shard_rank, self.shard_world = topo.shard_rank, topo.shard_size
+        self.replica_rank, self.replica_world = topo.replica_rank, topo.replica_world
+        self.shard_group = self.group if topo.shard_size == self.world else self.new_subgroups(topo.shard_groups)
+        self.replica_group = self.new_subgroups(topo.replica_groups) if topo.replica_world > 1 else None
+        self.secondary_group = None
+        if topo.secondary_size is not None:
+            self.secondary_group = (self.shard_group if topo.secondary_size == topo.shard_size
+                                    else self.new_subgroups(topo.secondary_groups))
+        self._names = {id(self.group): "world", id(self.shard_group): "shard"}
+        if self.replica_group is not None:
+            self._names.setdefault(id(self.replica_group), "replica")
+        if self.secondary_group is not None:
+            self._names.setdefault(id(self.secondary_group), "secondary")
 
-    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, unit: str):
-        """Gather every rank's ``shard`` into ``out`` (``out.numel() == world * shard.numel()``)."""
-        self.log.add("all_gather", unit, out)
-        return _all_gather(out, shard, group=self.group, async_op=True)
-
-    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, unit: str):
-        """SUM ``full`` across ranks and leave this rank's chunk in ``out``."""
-        self.log.add("reduce_scatter", unit, full)
-        return _reduce_scatter(out, full, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-
-    def all_reduce_sum(self, t: torch.Tensor, unit: str) -> None:
-        """In-place blocking SUM all-reduce (small tensors: norms, checksums)."""
-        self.log.add("all_reduce", unit, t)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
-
-    def broadcast(self, t: torch.Tensor, src_rank: int, unit: str) -> None:
-        """Blocking broadcast from group rank ``src_rank``."""
-        self.log.add("broadcast", unit, t)
-        dist.broadcast(t, src=dist.get_global_rank(self.group, src_rank), group=self.group)
-
-    # -- explicit-group collectives (quantized communication, yashard/zeropp.py) -------------------
-
-    def group_rank_size(self, group: dist.ProcessGroup | None = None) -> tuple[int, int]:
-        """``(this rank's index in group, group size)``; ``None`` means ``self.group``. Local query."""
-        g = self.group if group is None else group
-        return dist.get_rank(g), dist.get_world_size(g)
-
-    def group_members(self, group: dist.ProcessGroup) -> list[int]:
-        """The ranks of ``self.group`` that form ``group``, in ``group``-rank order. Local query."""
-        return [dist.get_group_rank(self.group, r) for r in dist.get_process_group_ranks(group)]
-
-    def all_gather_in(self, out: torch.Tensor, shard: torch.Tensor, unit: str, group: dist.ProcessGroup | None):
-        """Gather every member's ``shard`` into ``out`` over ``group`` (``None``: ``self.group``); ``shard``
-        may be this rank's slot of ``out`` (in place). Logged as ``all_gather`` with ``out``'s size."""
-        self.log.add("all_gather", unit, out)
-        return _all_gather(out, shard, group=self.group if group is None else group, async_op=True)
-
-    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, unit: str, group: dist.ProcessGroup | None):
-        """``all_to_all_single`` over ``group`` (``None``: ``self.group``): ``inp`` is cut into group-size
-        equal segments, segment ``i`` goes to member ``i``; ``out`` receives member ``i``'s segment for this
-        rank at segment ``i``. Logged as ``all_to_all`` with ``inp``'s size (= what this rank sends,
-        its own segment included)."""
-        self.log.add("all_to_all", unit, inp)
-        return _all_to_all(out, inp, group=self.group if group is None else group, async_op=True)
-
+    # ---- groups ---------------------------------------------------------------------------------
     def new_subgroups(self, rank_lists: list[list[int]]) -> dist.ProcessGroup | None:
-        """Create one process group per list of ``self.group`` ranks, in order (every rank of
-        ``self.group`` must call this with the same lists: group creation is collective), and return
-        the group this rank belongs to (``None`` if none)."""
+        """Create one process group per list of ``group`` ranks, in order, and return the one this
+        rank belongs to (None if none). Collective: every rank of ``group`` calls it with the same
+        lists."""
         mine = None
         for ranks in rank_lists:
             g = dist.new_group([dist.get_global_rank(self.group, r) for r in ranks])
@@ -112,7 +102,68 @@ class Comm:
                 mine = g
         return mine
 
+    def new_shard_subgroups(self, rank_lists: list[list[int]]) -> dist.ProcessGroup | None:
+        """Like :meth:`new_subgroups` with lists of *shard* ranks: the same structure is created
+        inside every shard group (hybrid sharding has several); returns this rank's group."""
+        size = self.shard_world
+        mine = None
+        for g in range(self.replica_world):
+            got = self.new_subgroups([[g * size + r for r in ranks] for ranks in rank_lists])
+            if g == self.replica_rank:
+                mine = got
+        return mine
+
+    def group_members(self, group: dist.ProcessGroup) -> list[int]:
+        """The shard ranks of ``group``'s members (a subgroup of this rank's shard group), in order."""
+        return [dist.get_group_rank(self.shard_group, r) for r in dist.get_process_group_ranks(group)]
+
+    def group_rank_size(self, group: dist.ProcessGroup | None = None) -> tuple[int, int]:
+        """``(this rank's index in group, group size)``; ``None`` means the shard group."""
+        g = self.shard_group if group is None else group
+        return dist.get_rank(g), dist.get_world_size(g)
+
+    def name(self, group: dist.ProcessGroup) -> str:
+        return self._names.get(id(group), "other")
+
+    # ---- collectives ------------------------------------------------------------------------------
+    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, unit: str, group: dist.ProcessGroup | None = None):
+        """Async: gather every member's ``shard`` into ``out`` over ``group`` (default: the shard
+        group); ``out.numel() == group size * shard.numel()``, and ``shard`` may be this rank's slice
+        of ``out``. Logged with ``out``'s size."""
+        g = self.shard_group if group is None else group
+        self.log.add("all_gather", unit, out, self.name(g))
+        return _all_gather(out, shard, group=g, async_op=True)
+
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, unit: str, group: dist.ProcessGroup | None = None):
+        """Async: SUM ``full`` over ``group`` (default: the shard group) and leave this rank's chunk
+        in ``out``. Logged with ``full``'s size."""
+        g = self.shard_group if group is None else group
+        self.log.add("reduce_scatter", unit, full, self.name(g))
+        return _reduce_scatter(out, full, op=dist.ReduceOp.SUM, group=g, async_op=True)
+
+    def all_reduce(self, t: torch.Tensor, unit: str, group: dist.ProcessGroup | None = None, *,
+                   op: str = "sum", async_op: bool = False):
+        """In-place all-reduce of ``t`` over ``group`` (default: the shard group) with ``op`` in
+        {"sum", "max"}; returns the work handle when ``async_op``. Logged with ``t``'s size."""
+        g = self.shard_group if group is None else group
+        self.log.add("all_reduce", unit, t, self.name(g))
+        return dist.all_reduce(t, op=_OPS[op], group=g, async_op=async_op)
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, unit: str, group: dist.ProcessGroup | None = None):
+        """Async ``all_to_all_single`` over ``group`` (default: the shard group): ``inp`` is cut into
+        group-size equal segments, segment ``i`` goes to member ``i``; ``out`` receives member ``i``'s
+        segment at segment ``i``. Logged with ``inp``'s size (what this rank sends, its own included)."""
+        g = self.shard_group if group is None else group
+        self.log.add("all_to_all", unit, inp, self.name(g))
+        return dist.all_to_all_single(out, inp, group=g, async_op=True)
+
+    def broadcast(self, t: torch.Tensor, src_rank: int, unit: str) -> None:
+        """Blocking broadcast over the whole data-parallel group from its rank ``src_rank``."""
+        self.log.add("broadcast", unit, t, "world")
+        dist.broadcast(t, src=dist.get_global_rank(self.group, src_rank), group=self.group)
+
     def all_gather_object(self, obj) -> list:
+        """Every rank's picklable ``obj`` (whole data-parallel group), for small metadata only."""
         out = [None] * self.world
         dist.all_gather_object(out, obj, group=self.group)
         return out

@@ -34,6 +34,19 @@ class ShardConfig:
             collectives; 1 means no extra padding).
         device: device for buffers and compute. ``None`` picks the current CUDA device when the
             process group uses NCCL, else the CPU.
+        shard_group_size: hybrid sharding (HSDP). Units are sharded within groups of this many
+            consecutive ranks (typically one node) and replicated across groups: gradients are
+            reduce-scattered inside the group, then all-reduced across groups. ``None``: shard over
+            the whole group (ZeRO-3). Must divide the world size.
+        secondary_group_size: ZeRO++ hpZ. After each forward all-gather every rank keeps a secondary
+            slice (1/secondary_group_size of each layer, in ``param_dtype``), so the backward
+            re-gathers run inside groups of this many consecutive ranks (one node) only. Costs
+            ``layer params / secondary_group_size`` elements per rank. Must divide the shard group.
+        quantized_weights: ZeRO++ qwZ. ``8`` or ``4``: the forward (and, without hpZ, backward)
+            weight all-gathers move block-quantized int8/int4 codes plus one fp32 scale per
+            ``quant_block`` elements and dequantize into the weight buffer; the fp32 master shards are
+            never quantized. ``None``: off. The norm group is never quantized.
+        quant_block: elements per quantization block (one fp32 scale each) for qwZ.
     """
 
     param_dtype: torch.dtype = torch.float32
@@ -42,6 +55,10 @@ class ShardConfig:
     sync_module_states: bool = True
     shard_align: int = 16
     device: torch.device | str | None = None
+    shard_group_size: int | None = None
+    secondary_group_size: int | None = None
+    quantized_weights: int | None = None
+    quant_block: int = 4096
 
     def __post_init__(self) -> None:
         if self.param_dtype not in _FLOAT_DTYPES:
@@ -68,6 +85,18 @@ class ShardConfig:
             raise ValueError(f"ShardConfig.checkpoint_layers must be >= 0, got {self.checkpoint_layers}")
         if isinstance(self.shard_align, bool) or not isinstance(self.shard_align, int) or self.shard_align < 1:
             raise ValueError(f"ShardConfig.shard_align must be a positive int, got {self.shard_align!r}")
+        for name in ("shard_group_size", "secondary_group_size"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"ShardConfig.{name} must be a positive int (ranks per group) or None, got {v!r}")
+        if self.quantized_weights not in (None, 4, 8) or isinstance(self.quantized_weights, bool):
+            raise ValueError(
+                f"ShardConfig.quantized_weights={self.quantized_weights!r} is not supported; use 8 (int8), "
+                "4 (int4) or None (off)"
+            )
+        if isinstance(self.quant_block, bool) or not isinstance(self.quant_block, int) or not 2 <= self.quant_block <= 32768 \
+                or self.quant_block % 2:
+            raise ValueError(f"ShardConfig.quant_block must be an even int in [2, 32768], got {self.quant_block!r}")
         if self.device is not None:
             object.__setattr__(self, "device", torch.device(self.device))
 

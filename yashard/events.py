@@ -75,8 +75,19 @@ class Streams:
         return self.mod.stream(self.comm)
 
 
+class Completed:
+    """A work handle for something that already finished on the issuing stream (a synchronous
+    quantized gather): waiting on it orders nothing more."""
+
+    def wait(self) -> None:
+        return None
+
+
 class Pending:
     """One collective in flight, plus the follow-up work to run on the comm stream once it lands.
+
+    ``work`` is a c10d work handle or a ``torch.futures.Future`` (a comm hook's result); ``on_done``
+    receives what its ``wait()`` returns (the future's value; ignore it for work handles).
 
     Contract: :meth:`wait` makes the current (compute) stream wait until the collective and its
     ``on_done`` have finished; it is idempotent, and ``on_done`` runs exactly once. On devices with
@@ -86,7 +97,7 @@ class Pending:
 
     __slots__ = ("_work", "_on_done", "_streams", "_event", "done")
 
-    def __init__(self, streams: Streams, work, on_done: Callable[[], None] | None = None):
+    def __init__(self, streams: Streams, work, on_done: Callable[[object], None] | None = None):
         self._streams = streams
         self._work = work
         self._on_done = on_done
@@ -97,9 +108,9 @@ class Pending:
 
     def _finish(self) -> None:
         with self._streams.comm_context():
-            self._work.wait()
+            result = self._work.wait()
             if self._on_done is not None:
-                self._on_done()
+                self._on_done(result)
             self._event = self._streams.record(self._streams.comm)
         self.done = True
         self._work = self._on_done = None

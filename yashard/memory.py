@@ -50,7 +50,13 @@ class MemoryPlan:
 
 
 def plan_memory(rt: "Runtime") -> MemoryPlan:
-    """Derive the plan from the layouts and dtypes alone (no tensor is inspected)."""
+    """Derive the plan from the layouts and dtypes alone (no tensor is inspected).
+
+    The one exception is the scratch a comm hook asks for (``GradBucket.workspace``): it exists
+    only once the hook ran, and is listed then.
+    """
+    from .zeropp import qwz_workspace_nbytes
+
     cfg = rt.config
     w = rt.world
     p, g = _nbytes(cfg.param_dtype), _nbytes(cfg.wire_dtype)
@@ -59,12 +65,26 @@ def plan_memory(rt: "Runtime") -> MemoryPlan:
         s = slot.numel
         rows.append(MemoryRow(f"slot {slot.name}", s, s * (p + g) + (s // w) * g,
                               f"S={s}: S*({p}+{g}) weights+grads + S/W*{g} reduce-scatter out"))
+        if cfg.quantized_weights and slot.name != "small":
+            b = qwz_workspace_nbytes(s // w, w, bits=cfg.quantized_weights, block=cfg.quant_block)
+            rows.append(MemoryRow(f"slot {slot.name} qwZ codes", b, b,
+                                  f"W * (S/W * {cfg.quantized_weights}/8 + 4 per {cfg.quant_block}-block, 16-aligned)"))
     n = sum(u.layout.shard_numel for u in rt.units)
     rows.append(MemoryRow("fp32 master shards", n, 4 * n, f"N/W={n} * 4"))
     rows.append(MemoryRow("fp32 grad shards", n, 4 * n, f"N/W={n} * 4"))
     if cfg.param_dtype != torch.float32:
         rows.append(MemoryRow(f"{cfg.param_dtype} gather sources", n, p * n, f"N/W={n} * {p}"))
+    extra = ""
+    if cfg.secondary_group_size is not None:
+        h = cfg.secondary_group_size
+        m = sum(u.layout.padded // h for u in rt.layers)
+        rows.append(MemoryRow("hpZ secondary shards", m, p * m, f"layers' padded size / {h} * {p}"))
+        extra = f" + layers/{h}*{p}"
+    for name, t in rt._workspaces.items():
+        rows.append(MemoryRow(f"comm hook {name}", t.numel(), t.numel() * t.element_size(),
+                              "allocated by the comm hook at its first call"))
     formula = (
         f"sum over slots S*({p}+{g}+{g}/W) + N/W*(8{'+' + str(p) if cfg.param_dtype != torch.float32 else ''})"
+        + extra + (" + qwZ codes" if cfg.quantized_weights else "")
     )
     return MemoryPlan(tuple(rows), w, adamw_bytes=8 * n, formula=formula)

@@ -21,14 +21,16 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from . import materialize
 from .buffers import Slot
 from .collectives import Comm
+from .comm_hooks import GradBucket, reduce_scatter_hook
 from .config import ShardConfig
-from .events import Pending, Streams
+from .events import Completed, Pending, Streams
 from .gate_grad_flow import BackwardEntry, GateGradFlow
 from .layout import build_layout
 from .memory import MemoryPlan, plan_memory
 from .norm_group import NormGroup, is_small_param
 from .patch.spec import ModelSpec, get_path
 from .unit import Unit
+from .zeropp import qwz_all_gather, qwz_workspace_nbytes
 
 logger = logging.getLogger("yashard")
 
@@ -52,11 +54,16 @@ class Runtime:
         self.config = config
         self.comm = comm
         self.device = device
-        self.world = comm.world
+        self.world = comm.shard_world   # ranks a unit is sharded over (layouts, slots)
+        self.dp_world = comm.world      # data-parallel ranks: the post-divide factor
         self.streams = Streams(device)
         self.grad_fwd_id = 0        # id of the latest grad-enabled forward
         self.in_backward = False
         self.pending: list[Pending] = []
+        self.comm_hook = reduce_scatter_hook   # how each unit's gradients are reduced (comm_hooks.py)
+        self.comm_hook_state = None
+        self._workspaces: dict[str, torch.Tensor] = {}   # comm hooks' persistent scratch buffers
+        self._bucket_index = 0
         self._fwd_cursor = 0
         self._bwd_last_layer: int | None = None
         self._hooks = []
@@ -173,6 +180,11 @@ class Runtime:
             for name, numel in slot_sizes.items()
             if numel > 0
         }
+        if cfg.quantized_weights:  # qwZ: codes + scales of every rank's shard, gathered in one collective
+            for slot in self.slots.values():
+                if slot.name != "small":
+                    nbytes = qwz_workspace_nbytes(slot.numel // w, w, bits=cfg.quantized_weights, block=cfg.quant_block)
+                    slot.qwz_workspace = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
         masters = self._materialise(groups, layouts)
         self.units: list[Unit] = []
@@ -196,6 +208,9 @@ class Runtime:
             )
             if cfg.param_dtype != torch.float32:
                 unit.gather_src = torch.empty(master.shape, dtype=cfg.param_dtype, device=self.device)
+            if cfg.secondary_group_size is not None and kind == "layer":  # hpZ: this rank's secondary slice
+                unit.secondary = torch.empty(layout.padded // cfg.secondary_group_size, dtype=cfg.param_dtype,
+                                             device=self.device)
             for _, locs, _ in members:         # the HF modules no longer own these parameters
                 for module, attr in locs:
                     module._parameters.pop(attr, None)
@@ -282,18 +297,37 @@ class Runtime:
 
     # ------------------------------------------------------------------ gathers (R1, R2)
     def gather(self, unit: Unit) -> None:
-        """Issue the all-gather of ``unit`` into its slot (R1: after the previous owner's release)."""
+        """Issue the all-gather of ``unit`` into its slot (R1: after the previous owner's release).
+
+        Forward gathers read the primary shards over the shard group (quantized with qwZ); with hpZ
+        a grad-enabled forward also keeps this rank's secondary slice, and backward re-gathers read
+        the secondary slices over the (node-local) secondary group.
+        """
         slot = unit.slot
         prev = slot.owner
         if prev is not None and prev is not unit and prev.gathered is not None and not prev.gathered.done:
             prev.gathered.wait()  # an unused prefetch still writing into the slot (CPU: gloo thread)
         label = "yashard::norm_group_all_gather" if unit.kind == "small" else "yashard::all_gather"
+        comm = self.comm
+        on_done = None
         with self.streams.comm_context(), record_function(label):
             if slot.release is not None:
                 self.streams.comm.wait_event(slot.release)
             out = slot.weights_io.narrow(0, 0, unit.layout.padded)
-            work = self.comm.all_gather(out, unit.gather_src, unit.name)
-        unit.gathered = Pending(self.streams, work)
+            if self.in_backward and unit.secondary is not None and unit.secondary_fwd == self.grad_fwd_id:
+                work = comm.all_gather(out, unit.secondary, unit.name, comm.secondary_group)
+            else:
+                if unit.kind != "small" and self.config.quantized_weights:
+                    qwz_all_gather(comm, out, unit.gather_src, slot.qwz_workspace, bits=self.config.quantized_weights,
+                                   block=self.config.quant_block, unit=unit.name)
+                    work = Completed()
+                else:
+                    work = comm.all_gather(out, unit.gather_src, unit.name)
+                if unit.secondary is not None and torch.is_grad_enabled() and not self.in_backward:
+                    secondary, h = unit.secondary, comm.topology.secondary_rank
+                    on_done = functools.partial(_keep_secondary, secondary, out, h)
+                    unit.secondary_fwd = self.grad_fwd_id
+        unit.gathered = Pending(self.streams, work, on_done)
         slot.owner = unit
 
     def _ensure_gathered(self, unit: Unit) -> None:
@@ -389,6 +423,7 @@ class Runtime:
         if self.in_backward:
             return
         self.in_backward = True
+        self._bucket_index = 0
         self._bwd_last_layer = None
         for u in self.units:
             u.reduced_in_pass = False
@@ -454,17 +489,35 @@ class Runtime:
             slot.release = self.streams.record(compute)  # weights no longer read (R1 for re-gathers)
         ready = self.streams.record(compute)
         n = unit.layout.shard_numel
-        out = slot.reduced.narrow(0, 0, n)
+        bucket = GradBucket(self._bucket_index, unit.name, unit is self.small, self.comm,
+                            slot.grads.narrow(0, 0, unit.layout.padded), slot.reduced.narrow(0, 0, n),
+                            self._workspace)
+        self._bucket_index += 1
         label = "yashard::norm_group_reduce_scatter" if unit.kind == "small" else "yashard::reduce_scatter"
         with self.streams.comm_context(), record_function(label):
             self.streams.comm.wait_event(ready)
-            work = self.comm.reduce_scatter(out, slot.grads.narrow(0, 0, unit.layout.padded), unit.name)
-        scale = 1.0 / self.world
+            work = self.comm_hook(self.comm_hook_state, bucket)
+        if not callable(getattr(work, "wait", None)):
+            raise TypeError(
+                f"comm hook {getattr(self.comm_hook, '__name__', self.comm_hook)!r} returned "
+                f"{type(work).__name__} for {unit.name}; a hook returns a future (torch.futures.Future or "
+                "yashard.comm_hooks.WorkFuture) of this rank's reduced shard"
+            )
+        scale = 1.0 / self.dp_world
         master = unit.master
+        replicas = self.comm.replica_group
 
-        def accumulate():  # post-divide, in fp32, into the persistent fp32 grad
+        def accumulate(value):  # hybrid all-reduce, then post-divide, in fp32, into the persistent grad
+            if not isinstance(value, torch.Tensor) or value.numel() != n:
+                raise ValueError(
+                    f"comm hook {getattr(self.comm_hook, '__name__', self.comm_hook)!r} gave "
+                    f"{tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__} for "
+                    f"{unit.name}; its future must hold this rank's {n}-element shard of the SUM"
+                )
             with record_function("yashard::post_divide"):
-                master.grad.add_(out, alpha=scale)
+                if replicas is not None:
+                    self.comm.all_reduce(value, unit.name, replicas)
+                master.grad.add_(value, alpha=scale)
 
         pending = Pending(self.streams, work, accumulate)
         slot.grad_busy = pending
@@ -498,6 +551,29 @@ class Runtime:
         for slot in self.slots.values():
             slot.grad_busy = None
 
+    def _workspace(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A comm hook's persistent scratch buffer (see ``GradBucket.workspace``)."""
+        buf = self._workspaces.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            buf = self._workspaces[name] = torch.empty(numel, dtype=dtype, device=self.device)
+        return buf.narrow(0, 0, numel)
+
+    def register_comm_hook(self, state, hook) -> None:
+        """Replace how each unit's gradients are reduced (contract in :mod:`yashard.comm_hooks`)."""
+        if not callable(hook):
+            raise TypeError(f"register_comm_hook needs a callable hook(state, bucket), got {type(hook).__name__}")
+        if self.comm_hook is not reduce_scatter_hook:
+            raise RuntimeError(
+                f"a comm hook ({getattr(self.comm_hook, '__name__', self.comm_hook)}) is already registered; "
+                "register one hook, once, before the first forward"
+            )
+        if self.grad_fwd_id > 0:
+            raise RuntimeError(
+                "register_comm_hook must be called before the first forward (gradients of earlier steps "
+                "were reduced by the default hook)"
+            )
+        self.comm_hook, self.comm_hook_state = hook, state
+
     # ------------------------------------------------------------------ user-facing helpers
     def memory_plan(self) -> MemoryPlan:
         return plan_memory(self)
@@ -513,6 +589,10 @@ class Runtime:
             out[f"{u.name}.grad"] = u.grad_storage
             if u.gather_src is not u.master:
                 out[f"{u.name}.gather_src"] = u.gather_src
+            if u.secondary is not None:
+                out[f"{u.name}.secondary"] = u.secondary
+        for name, t in self._workspaces.items():
+            out[f"comm_hook.{name}"] = t
         return out
 
     @torch.no_grad()
@@ -522,13 +602,11 @@ class Runtime:
         if norm_type == math.inf:
             local = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros((), device=self.device)
             local = local.float()
-            import torch.distributed as dist
-
-            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.comm.group)
+            self.comm.all_reduce(local, "clip_grad_norm", op="max")  # replicas hold the same shards
             total = local
         elif norm_type == 2.0:
             sq = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros((), device=self.device)
-            self.comm.all_reduce_sum(sq, "clip_grad_norm")
+            self.comm.all_reduce(sq, "clip_grad_norm")  # over the shard group: replicas are identical
             total = sq.sqrt()
         else:
             raise ValueError(f"clip_grad_norm_ supports norm_type=2 or inf, got {norm_type}")
@@ -577,3 +655,9 @@ def _checkpointed_forward(inner, *args, **kwargs):
     if "use_cache" in kwargs:
         kwargs["use_cache"] = False
     return torch.utils.checkpoint.checkpoint(inner, *args, use_reentrant=False, **kwargs)
+
+
+def _keep_secondary(secondary: torch.Tensor, gathered: torch.Tensor, position: int, _result=None) -> None:
+    """hpZ: keep slice ``position`` of a freshly gathered unit for the backward re-gather."""
+    m = secondary.numel()
+    secondary.copy_(gathered.narrow(0, position * m, m))

@@ -46,6 +46,8 @@ class Unit:
         self.master = master
         self.grad_storage = torch.zeros_like(master, memory_format=torch.contiguous_format)
         self.gather_src = master    # replaced by a param_dtype copy when param_dtype != fp32
+        self.secondary: torch.Tensor | None = None  # hpZ: this rank's secondary slice of the gathered unit
+        self.secondary_fwd = -1     # the forward whose weights ``secondary`` holds
         self.token = torch.empty(0, device=master.device, requires_grad=True)
         # Per-pass state.
         self.gathered: "Pending | None" = None

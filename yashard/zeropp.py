@@ -68,7 +68,7 @@ def qwz_all_gather(comm: Comm, out: torch.Tensor, shard: torch.Tensor, workspace
                    bits: int = 8, block: int = 4096, group=None, unit: str = "qwz",
                    backend: str = "auto") -> None:
     """Quantized all-gather: ``out[r*s:(r+1)*s] = dequant(quant(shard of rank r))`` for every rank ``r``
-    of ``group`` (``None``: ``comm.group``), ``s = shard.numel()``.
+    of ``group`` (``None``: the shard group), ``s = shard.numel()``.
 
     ``shard``: contiguous 1-D fp32/bf16/fp16 (the param-dtype copy; the master is never quantized).
     ``out``: contiguous 1-D fp32/bf16/fp16 of ``world * s`` elements (may contain ``shard`` as this
@@ -84,7 +84,7 @@ def qwz_all_gather(comm: Comm, out: torch.Tensor, shard: torch.Tensor, workspace
     ws = workspace[: world * lay.nbytes]
     mine = ws[rank * lay.nbytes:(rank + 1) * lay.nbytes]
     quantize_parts(shard, mine, nparts=1, bits=bits, block=block, backend=backend)
-    comm.all_gather_in(ws, mine, unit, group).wait()
+    comm.all_gather(ws, mine, unit, group).wait()
     dequantize_parts(ws, nparts=world, numel=s, out=out, bits=bits, block=block, backend=backend)
 
 
@@ -94,8 +94,8 @@ def qwz_all_gather(comm: Comm, out: torch.Tensor, shard: torch.Tensor, workspace
 def qgz_group_ranks(world: int, ranks_per_node: int) -> tuple[list[list[int]], list[list[int]]]:
     """``(intra, inter)`` rank lists (shard-group ranks) for ``world = nodes * ranks_per_node``:
     ``intra[n]`` = the ranks of node ``n`` (``n*L .. n*L + L - 1``), ``inter[i]`` = the ranks with local
-    rank ``i`` (``i, L + i, 2L + i, ...``). Create them with ``comm.new_subgroups(intra)`` then
-    ``comm.new_subgroups(inter)`` on every rank."""
+    rank ``i`` (``i, L + i, 2L + i, ...``). Create them with ``comm.new_shard_subgroups(intra)`` then
+    ``comm.new_shard_subgroups(inter)`` on every rank."""
     if world < 1 or ranks_per_node < 1 or world % ranks_per_node:
         raise ValueError(f"world ({world}) must be a positive multiple of ranks_per_node ({ranks_per_node})")
     L, nodes = ranks_per_node, world // ranks_per_node
@@ -174,14 +174,14 @@ def qgz_reduce_scatter(comm: Comm, out: torch.Tensor, full: torch.Tensor, worksp
     if W != comm.shard_world:
         raise ValueError(f"intra_group ({L} ranks) x inter_group ({nodes} ranks) tile {W} ranks but the shard "
                          f"group has {comm.shard_world}; build the groups from qgz_group_ranks(world, "
-                         f"ranks_per_node) with comm.new_subgroups")
+                         f"ranks_per_node) with comm.new_shard_subgroups")
     want_intra, want_inter = qgz_group_ranks(W, L)
     node, local = divmod(comm.shard_rank, L)
     if intra != want_intra[node] or inter != want_inter[local]:
         raise ValueError(f"shard rank {comm.shard_rank} got intra_group ranks {intra} and inter_group ranks "
                          f"{inter}, but qgz_group_ranks({W}, {L}) gives it {want_intra[node]} and "
-                         f"{want_inter[local]}; pass this rank's groups from comm.new_subgroups(intra) / "
-                         f"comm.new_subgroups(inter)")
+                         f"{want_inter[local]}; pass this rank's groups from comm.new_shard_subgroups(intra) / "
+                         f"comm.new_shard_subgroups(inter)")
     _check_float("full", full)
     _check_float("out", out)
     if full.numel() != W * out.numel():

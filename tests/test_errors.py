@@ -417,3 +417,8 @@ def test_weights_folder_with_a_truncated_file(pg, tmp_path):
         yashard.shard(_meta(), weights=tmp_path)
     model = _meta()
     assert all(p.is_meta for p in model.parameters())  # nothing was taken from the model
+
+
+def test_shard_group_size_that_does_not_divide_the_world(pg):
+    with pytest.raises(ValueError, match=r"shard_group_size=2 does not divide the world size 1; use a divisor of 1"):
+        yashard.shard(build(), config=yashard.ShardConfig(shard_group_size=2))

@@ -16,8 +16,18 @@ from models import batches, build
 DEFAULTS = dict(
     family="llama", overrides={}, steps=10, micro=2, accum=1, seq=16, lr=1e-3, wd=0.1, clip=1.0,
     dtype="fp32", ckpt=0, grads_every_step=False, unused=None, zero_grad_none=True, seed=0,
+    shard_kw={}, hook=None, hook_kw={}, log_step=None, reduce_dtype="fp32", data_cycle=None, text=False,
 )
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _register_hook(sm, name: str, kw: dict) -> None:
+    from yashard import comm_hooks
+
+    if name == "qgz":
+        sm.register_comm_hook(comm_hooks.QgzState(sm, **kw), comm_hooks.qgz_hook)
+    else:
+        sm.register_comm_hook(None, getattr(comm_hooks, f"{name}_hook"))
 
 
 def scenario(**kw) -> dict:
@@ -37,6 +47,29 @@ def _make_unused(model, layer: int):
     mlp.forward = forward
 
 
+def _text_batches(steps: int, global_batch: int, seq: int, seed: int = 1) -> list:
+    """Random windows of real text (the bytes of a standard-library module): learnable, never
+    memorised to zero loss in a few hundred steps. Needs ``vocab_size >= 256``."""
+    import inspect
+
+    data = torch.tensor(list(open(inspect.__file__, "rb").read()), dtype=torch.long)
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        starts = torch.randint(0, data.numel() - seq, (global_batch,), generator=g)
+        out.append(data[starts[:, None] + torch.arange(seq)])
+    return out
+
+
+def _data(s, global_batch: int, vocab: int) -> list:
+    """The global batch of every step; with ``data_cycle`` the same few batches repeat (learnable)."""
+    if s["text"]:
+        return _text_batches(s["steps"], global_batch, s["seq"])
+    n = s["data_cycle"] or s["steps"]
+    data = batches(n, global_batch, s["seq"], vocab)
+    return [data[i % n] for i in range(s["steps"])]
+
+
 def _model(s):
     model = build(s["family"], seed=s["seed"], **s["overrides"])
     if s["unused"] is not None:
@@ -47,18 +80,28 @@ def _model(s):
 def run_sharded(rank: int, world: int, s: dict) -> dict:
     model = _model(s)
     vocab = model.config.vocab_size
-    cfg = yashard.ShardConfig(param_dtype=DTYPES[s["dtype"]], checkpoint_layers=s["ckpt"])
+    cfg = yashard.ShardConfig(param_dtype=DTYPES[s["dtype"]], reduce_dtype=DTYPES[s["reduce_dtype"]],
+                              checkpoint_layers=s["ckpt"], **s["shard_kw"])
     sm = yashard.shard(model, config=cfg)
+    if s["hook"] is not None:
+        _register_hook(sm, s["hook"], s["hook_kw"])
+    log, logged = sm.collective_log(), []
     opt = torch.optim.AdamW(sm.param_groups(s["wd"]), lr=s["lr"])
     global_batch = s["micro"] * s["accum"] * world
     losses, norms, grads, ptrs = [], [], [], []
-    for step, batch in enumerate(batches(s["steps"], global_batch, s["seq"], vocab)):
+    for step, batch in enumerate(_data(s, global_batch, vocab)):
         local = batch.chunk(world)[rank]
         step_loss = torch.zeros(())
+        log.enabled = step == s["log_step"]
         for micro in local.chunk(s["accum"]):
             out = sm(input_ids=micro, labels=micro)
+            logged.extend(("fwd", *r) for r in log.records)
+            log.clear()
             (out.loss / s["accum"]).backward()
+            logged.extend(("bwd", *r) for r in log.records)
+            log.clear()
             step_loss += out.loss.detach().float() / s["accum"]
+        log.enabled = False
         dist.all_reduce(step_loss)
         losses.append(step_loss.item() / world)
         if s["grads_every_step"] or step == 0:
@@ -68,7 +111,7 @@ def run_sharded(rank: int, world: int, s: dict) -> dict:
         opt.zero_grad(set_to_none=s["zero_grad_none"])
         ptrs.append({k: t.data_ptr() for k, t in sm.runtime.allocated_tensors().items()})
     params = sm.full_state_dict()
-    return dict(losses=losses, norms=norms, grads=grads, params=params, ptrs=ptrs,
+    return dict(losses=losses, norms=norms, grads=grads, params=params, ptrs=ptrs, log=logged,
                 plan=sm.memory_plan().total_bytes,
                 allocated=sum(t.numel() * t.element_size() for t in sm.runtime.allocated_tensors().values()))
 
@@ -83,7 +126,7 @@ def run_reference(s: dict) -> dict:
                             lr=s["lr"])
     world = s.get("world", 1)
     losses, norms, grads = [], [], []
-    for step, batch in enumerate(batches(s["steps"], s["micro"] * s["accum"] * world, s["seq"], vocab)):
+    for step, batch in enumerate(_data(s, s["micro"] * s["accum"] * world, vocab)):
         out = model(input_ids=batch, labels=batch)
         out.loss.backward()
         losses.append(out.loss.item())

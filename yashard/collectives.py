@@ -84,7 +84,7 @@ class Comm:
         if topo.secondary_size is not None:
             self.secondary_group = (self.shard_group if topo.secondary_size == topo.shard_size
                                     else self.new_subgroups(topo.secondary_groups))
-        self._names = {id(self.group): "world", id(self.shard_group): "shard"}
+        self._names = {id(self.shard_group): "shard", id(self.group): "world"}  # "world" if they are one
         if self.replica_group is not None:
             self._names.setdefault(id(self.replica_group), "replica")
         if self.secondary_group is not None:
@@ -123,7 +123,12 @@ class Comm:
         return dist.get_rank(g), dist.get_world_size(g)
 
     def name(self, group: dist.ProcessGroup) -> str:
+        """The label logged with ``group``'s collectives ("world", "shard", "replica", ...)."""
         return self._names.get(id(group), "other")
+
+    def label(self, group: dist.ProcessGroup, name: str) -> None:
+        """Log ``group``'s collectives under ``name`` (groups the caller created)."""
+        self._names[id(group)] = name
 
     # ---- collectives ------------------------------------------------------------------------------
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, unit: str, group: dist.ProcessGroup | None = None):

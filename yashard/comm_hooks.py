@@ -21,8 +21,10 @@ backward (these buffers are listed by ``memory_plan`` once allocated).
 Built-ins: :func:`reduce_scatter_hook` (the default, exact), :func:`bf16_compress_hook` and
 :func:`fp16_compress_hook` (the wire carries 16-bit values: each element of the result is the sum of
 the W rounded inputs, rounded again: relative error <= (W + 1) * 2**-8 of the sum of magnitudes for
-bf16, 2**-11 for fp16, which can also overflow above 65504), and :func:`noop_hook` (no
-communication; gradients are wrong: for measuring how much of a step is communication).
+bf16, 2**-11 for fp16, which can also overflow above 65504), :func:`qgz_hook` (ZeRO++ qgZ: int8/int4
+block quantization, hierarchical all-to-all, fp32 reduction; error bound in :mod:`yashard.zeropp`)
+and :func:`noop_hook` (no communication; gradients are wrong: for measuring how much of a step is
+communication).
 """
 
 from __future__ import annotations
@@ -167,3 +169,56 @@ def _compress_hook(dtype: torch.dtype):
 
 bf16_compress_hook = _compress_hook(torch.bfloat16)
 fp16_compress_hook = _compress_hook(torch.float16)
+
+
+class QgzState:
+    """State of :func:`qgz_hook`: the node groups (created here: call on every rank, after
+    ``yashard.shard`` and before the first forward) and the quantization format.
+
+    ``ranks_per_node`` consecutive shard ranks form a node; ``bits`` is 4 or 8; ``block`` elements
+    share one fp32 scale. ``fallbacks`` maps each unit that took the exact reduce-scatter (quantizing
+    it would not save bytes: tiny units such as the norm group) to the reason.
+    """
+
+    def __init__(self, model, ranks_per_node: int, *, bits: int = 4, block: int = 4096):
+        from .quant import check_format
+        from .zeropp import qgz_group_ranks
+
+        comm = model.runtime.comm
+        check_format(bits, block)
+        if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1 \
+                or comm.shard_world % ranks_per_node:
+            raise ValueError(
+                f"QgzState: ranks_per_node={ranks_per_node!r} must be a positive divisor of the shard group "
+                f"size {comm.shard_world}"
+            )
+        intra, inter = qgz_group_ranks(comm.shard_world, ranks_per_node)
+        self.ranks_per_node, self.bits, self.block = ranks_per_node, bits, block
+        self.intra = comm.new_shard_subgroups(intra) if ranks_per_node > 1 else None
+        self.inter = comm.new_shard_subgroups(inter) if len(intra) > 1 else None
+        for g, label in ((self.intra, "node"), (self.inter, "cross_node")):
+            if g is not None:
+                comm.label(g, label)
+        self.fallbacks: dict[str, str] = {}
+
+
+def qgz_hook(state: QgzState, bucket: GradBucket):
+    """ZeRO++ qgZ: quantize, all-to-all inside the node, reduce in fp32, requantize, all-to-all
+    across nodes, reduce in fp32 (:func:`yashard.zeropp.qgz_reduce_scatter`); same placement and SUM
+    semantics as the default hook. Runs synchronously on the communication stream (on CPU the host
+    waits for it). Buckets too small to gain from quantization use the exact reduce-scatter."""
+    from .zeropp import qgz_fallback_reason, qgz_reduce_scatter, qgz_workspace_nbytes
+
+    if not isinstance(state, QgzState):
+        raise TypeError(f"qgz_hook needs a yashard.comm_hooks.QgzState as its state, got {type(state).__name__}")
+    comm, buf, out = bucket.comm, bucket.buffer(), bucket.output()
+    w = comm.shard_world
+    reason = qgz_fallback_reason(buf.numel(), w, state.ranks_per_node, dtype=buf.dtype, bits=state.bits,
+                                 block=state.block)
+    if reason is not None:
+        state.fallbacks[bucket.name] = reason
+        return reduce_scatter_hook(state, bucket)
+    ws = bucket.workspace("qgz", qgz_workspace_nbytes(buf.numel(), w, bits=state.bits, block=state.block), torch.uint8)
+    qgz_reduce_scatter(comm, out, buf, ws, intra_group=state.intra, inter_group=state.inter, bits=state.bits,
+                       block=state.block, unit=bucket.name)
+    return _done(out)

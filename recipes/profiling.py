@@ -57,6 +57,7 @@ class ProfileConfig(TrainConfig):
     wait: int = field(default=1, metadata={"help": "steps run before the profiler starts"})
     warmup: int = field(default=2, metadata={"help": "steps profiled but discarded (profiler warm-up)"})
     active: int = field(default=3, metadata={"help": "steps recorded in the traces"})
+    save_every: int = field(default=0, metadata={"help": "sharded checkpoint every N steps (default 0: none, so saves stay out of the trace)"})
     profile_memory: bool = field(default=True, metadata={"help": "record allocations (memory peak, Perfetto memory counters)"})
     record_shapes: bool = field(default=False, metadata={"help": "record operator input shapes"})
     with_stack: bool = field(default=False, metadata={"help": "record Python stacks (large traces)"})

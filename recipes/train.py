@@ -75,6 +75,9 @@ class TrainConfig:
     seed: int = field(default=0, metadata={"help": "seed for model init and batch sampling"})
     out_dir: str = field(default="runs/train", metadata={"help": "where logs, plot and checkpoint go"})
     log_every: int = field(default=1, metadata={"help": "write a log line / refresh the bar every N steps"})
+    save_every: int = field(default=10, metadata={"help": "sharded checkpoint (for --resume) every N steps and at the end (<= 0: never)"})
+    resume: bool = field(default=False, metadata={"help": "continue from the sharded checkpoint in out_dir/checkpoint, at any world size"})
+    stop_at: int | None = field(default=None, metadata={"help": "stop after this step (saving a checkpoint), e.g. to split a run over job allocations; --resume continues"})
 
     def validate(self) -> None:
         """Raise ValueError naming the bad option(s) and the fix."""
@@ -84,6 +87,8 @@ class TrainConfig:
                   for name in ("model", "config", "model_size") if getattr(self, name, None) is not None]
         if len(chosen) > 1:
             raise ValueError(f"{' and '.join(chosen)} each choose the model: pass only one of them")
+        if self.stop_at is not None and not 1 <= self.stop_at <= self.steps:
+            raise ValueError(f"--stop-at {self.stop_at} must be between 1 and --steps {self.steps}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -277,14 +282,20 @@ def setup(cfg: TrainConfig) -> Session:
     global_batch = cfg.micro_batch * cfg.accum_steps * world_size
     tokens_per_step = global_batch * cfg.seq_len
 
-    # Resume goes here: load the last sharded checkpoint under out_dir (master shards and
-    # optimizer state) and set start_step to the step it was saved after. Nothing else changes:
-    # the loop starts at session.start_step, batches and learning rates are pure functions of
-    # (seed, step), and log.jsonl is appended to when start_step > 0.
-    start_step = 0
-
+    # Resume: the sharded checkpoint holds the master shards, the optimizer state and the step it
+    # was saved after (at any world size). Nothing else is needed: the loop starts at start_step,
+    # batches and learning rates are pure functions of (seed, step).
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)  # every rank: profiling writes one trace per rank
+    start_step = 0
+    ckpt = out_dir / "checkpoint"
+    if cfg.resume and (ckpt / "LATEST").exists():
+        start_step = yashard.load_checkpoint(ckpt, model, opt)["step"]
+        if is_main:
+            print(f"resumed from {ckpt} after step {start_step}")
+            _truncate_log(out_dir / "log.jsonl", start_step)
+    elif cfg.resume and is_main:
+        print(f"--resume: no checkpoint in {ckpt} yet, starting at step 0")
     if is_main:
         (out_dir / "config.json").write_text(json.dumps({**dataclasses.asdict(cfg), "world_size": world_size}, indent=2))
         print(f"model: {describe_model(cfg)} ({n_params / 1e6:.2f}M params), "
@@ -381,11 +392,14 @@ def train_loop(s: Session, profiler=None) -> list[dict]:
         train_time += dt
         if profiler is not None:
             profiler.step()
-        # A periodic sharded checkpoint (for resume) is saved here, after the optimizer step.
+        stop = step + 1 == (cfg.stop_at or cfg.steps)
+        if cfg.save_every > 0 and ((step + 1) % cfg.save_every == 0 or stop):
+            with record_function("yashard::save_checkpoint"):
+                yashard.save_checkpoint(s.out_dir / "checkpoint", s.model, s.opt, extra={"step": step + 1})
 
         record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": float(grad_norm),
                   "tokens_per_s": s.tokens_per_step / dt, "elapsed": train_time}
-        last = step + 1 == cfg.steps
+        last = step + 1 == cfg.steps  # a --stop-at run logs exactly what the full run logs
         if last or (cfg.eval_every > 0 and (step + 1) % cfg.eval_every == 0):
             record["eval_loss"] = evaluate(s)
             if s.is_main:
@@ -396,6 +410,8 @@ def train_loop(s: Session, profiler=None) -> list[dict]:
             log_file.flush()
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
                             mem=f"{memory_mb(device):.0f}MB")
+        if stop:
+            break
     bar.close()
     if log_file is not None:
         log_file.close()
@@ -441,45 +457,30 @@ def save_plot(history: list[dict], path: Path) -> bool:
     return True
 
 
-def _output_embedding_key(hf_model) -> str:
-    out = hf_model.get_output_embeddings()
-    for name, module in hf_model.named_modules():
-        if module is out:
-            return f"{name}.weight"
-    return "lm_head.weight"
-
-
-def save_hf_folder(full: dict, hf_model, tokenizer, path: Path) -> None:
-    """An HF folder that ``AutoModelForCausalLM.from_pretrained(path)`` loads."""
-    from safetensors.torch import save_file
-
-    path.mkdir(parents=True, exist_ok=True)
-    text_config = hf_model.config.get_text_config() if hasattr(hf_model.config, "get_text_config") else hf_model.config
-    if getattr(text_config, "tie_word_embeddings", False):
-        # Tied: the input embedding alone is stored; from_pretrained re-ties the output to it.
-        full = {k: v for k, v in full.items() if k != _output_embedding_key(hf_model)}
-    # Own, contiguous CPU copies: safetensors refuses tensors that share memory.
-    tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in full.items()}
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    hf_model.config.save_pretrained(path)
-    if hasattr(tokenizer, "tok"):  # an HF tokenizer: keep the folder self-contained
-        tokenizer.tok.save_pretrained(path)
+def _truncate_log(path: Path, step: int) -> None:
+    """Drop log records after ``step`` (a run that died after its last checkpoint logged more)."""
+    if path.exists():
+        kept = [r for r in read_log(path) if r["step"] <= step]
+        path.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
 
 def write_outputs(s: Session, history: list[dict], *, save_final: bool = True, plot: bool = True) -> dict:
-    """final/ (collective: every rank takes part in the gather), loss.png, and the summary line.
+    """final/ (collective: the HF export gathers one unit at a time), loss.png, the summary line.
 
     Returns the run summary on rank 0 and ``{}`` elsewhere. The plot is drawn from log.jsonl, so
     it covers every logged step of the run, resumed segments included.
     """
-    full = s.model.full_state_dict() if save_final else None
-    if not s.is_main:
+    if save_final:
+        yashard.export_hf(s.model, s.out_dir / "final")
+    if not s.is_main or not history:
         return {}
     written = [s.out_dir / "log.jsonl"]
     if save_final:
-        save_hf_folder(full, s.hf_model, s.tok, s.out_dir / "final")
+        if hasattr(s.tok, "tok"):  # an HF tokenizer: keep the folder self-contained
+            s.tok.tok.save_pretrained(s.out_dir / "final")
         written.append(s.out_dir / "final")
-    del full
+    if s.cfg.save_every > 0:
+        written.append(s.out_dir / "checkpoint")
     if plot and save_plot(read_log(s.out_dir / "log.jsonl"), s.out_dir / "loss.png"):
         written.append(s.out_dir / "loss.png")
     steady = history[1:] or history  # the first step includes one-off warm-up costs
@@ -503,10 +504,17 @@ def shutdown() -> None:
 
 
 def run(cfg: TrainConfig) -> dict:
-    """setup, train_loop, write_outputs, shutdown: the whole of a fine-tune or pretrain recipe."""
+    """setup, train_loop, write_outputs, shutdown: the whole of a fine-tune or pretrain recipe.
+    A run stopped early (``--stop-at``) writes its checkpoint and log but no final/ folder."""
     session = setup(cfg)
     history = train_loop(session)
-    summary = write_outputs(session, history)
+    if session.start_step + len(history) == cfg.steps:
+        summary = write_outputs(session, history)
+    else:
+        summary = {}
+        if session.is_main:
+            print(f"stopped after step {cfg.stop_at} of {cfg.steps}: checkpoint in "
+                  f"{session.out_dir / 'checkpoint'}; continue with the same command and --resume true")
     shutdown()
     return summary
 

@@ -149,6 +149,33 @@ def test_pretrain_checkpoint_reproduces_the_final_eval_loss(pretrain_run):
     assert sum(losses) / len(losses) == pytest.approx(reported, rel=1e-4, abs=1e-4)
 
 
+def test_stop_and_resume_reproduce_the_uninterrupted_run_bitwise(pretrain_run, tmp_path):
+    """--stop-at 10 saves a sharded checkpoint and ends; --resume continues at step 11 and logs
+    exactly the losses, grad norms and eval losses of the uninterrupted 16-step run."""
+    full_out, _ = pretrain_run
+    (tmp_path / "config.json").write_text(json.dumps(TINY_CONFIG))
+    out = tmp_path / "out"
+    args = ["--config", str(tmp_path / "config.json"), "--steps", str(PRETRAIN_STEPS), "--eval-every", "8",
+            "--out-dir", str(out), *COMMON]
+    run_recipe("pretrain.py", *args, "--stop-at", "10")
+    assert (out / "checkpoint" / "LATEST").exists() and not (out / "final").exists()
+    assert [r["step"] for r in read_log(out / "log.jsonl")] == list(range(1, 11))
+    stdout = run_recipe("pretrain.py", *args, "--resume", "true")
+    assert "resumed from" in stdout and "after step 10" in stdout
+    keys = ("step", "loss", "lr", "grad_norm", "eval_loss")
+    resumed = [{k: r.get(k) for k in keys} for r in read_log(out / "log.jsonl")]
+    uninterrupted = [{k: r.get(k) for k in keys} for r in read_log(full_out / "log.jsonl")]
+    assert resumed == uninterrupted
+    _check_png(out / "loss.png")
+    from safetensors.torch import load_file
+
+    def weights(folder):
+        return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+    a, b = weights(out / "final"), weights(full_out / "final")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in b)
+
+
 def test_sft_from_the_pretrained_checkpoint(sft_run):
     from transformers import AutoModelForCausalLM
 

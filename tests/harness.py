@@ -117,11 +117,12 @@ def run_distributed(fn, world: int, *args, timeout: float = 240.0) -> list:
     return [results[r] for r in range(world)]
 
 
-def run_until_exit(fn, world: int, *args, timeout: float = 120.0, grace: float = 0.5) -> dict:
+def run_until_exit(fn, world: int, *args, timeout: float = 120.0, grace: float = 0.5,
+                   wait_for: tuple[int, ...] | None = None) -> dict:
     """Like :func:`run_distributed`, but tolerates ranks that die: once one rank has exited, the
-    others get ``grace`` seconds and are then killed (what a job scheduler does). Returns
-    ``{rank: (exitcode, reported)}`` where ``reported`` is ``(ok, payload)`` if the rank sent a
-    result, else None."""
+    others get ``grace`` seconds and are then killed (what a job scheduler does); once every rank
+    in ``wait_for`` has reported, the rest are killed at once. Returns ``{rank: (exitcode,
+    reported)}`` where ``reported`` is ``(ok, payload)`` if the rank sent a result, else None."""
     import torch
 
     procs, queue = start_ranks(fn, world, args)
@@ -138,6 +139,8 @@ def run_until_exit(fn, world: int, *args, timeout: float = 120.0, grace: float =
         return True
 
     while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+        if wait_for is not None and all(r in reported for r in wait_for):
+            break
         if first_exit is None and any(not p.is_alive() for p in procs):
             first_exit = time.monotonic()
         if first_exit is not None and time.monotonic() - first_exit > grace:

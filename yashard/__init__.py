@@ -2,11 +2,14 @@
 
 from .api import ShardedModel, from_pretrained, shard
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from .collectives import CollectiveError
 from .config import ShardConfig
+from .guards import CollectiveOrderError, NonFiniteError
 from .hf_export import export_hf
 from .memory import MemoryPlan
 from .runtime import OrderError
 
 __all__ = ["shard", "from_pretrained", "ShardConfig", "ShardedModel", "MemoryPlan", "OrderError",
-           "save_checkpoint", "load_checkpoint", "export_hf", "CheckpointError"]
+           "save_checkpoint", "load_checkpoint", "export_hf", "CheckpointError", "CollectiveError",
+           "CollectiveOrderError", "NonFiniteError"]
 __version__ = "0.1.0"

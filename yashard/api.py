@@ -121,7 +121,8 @@ def shard(model: nn.Module, *, config: ShardConfig | None = None, process_group=
     elif not isinstance(config, ShardConfig):
         raise TypeError(f"config must be a yashard.ShardConfig, got {type(config).__name__}")
     comm = Comm(process_group, shard_group_size=config.shard_group_size,
-                secondary_group_size=config.secondary_group_size)
+                secondary_group_size=config.secondary_group_size, timeout=config.collective_timeout)
+    comm.log.track = config.debug_collectives
     spec = resolve_spec(model)
     device = _pick_device(config, comm)
     if device.type == "cuda" and "nccl" not in comm.backend:

@@ -15,6 +15,8 @@ live on the ranks of ``replica_group`` (hybrid sharding), and hpZ's backward gat
 
 from __future__ import annotations
 
+import datetime
+import zlib
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -26,6 +28,34 @@ from .topology import Topology
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or did not finish in time; the message names the layer and phase."""
+
+
+def wait_work(work, what: str, timeout: float | None):
+    """Wait for ``work`` (a c10d work handle or a future), at most ``timeout`` seconds where the
+    handle supports it; any failure becomes a :class:`CollectiveError` naming ``what`` (op, unit,
+    phase, rank). Returns what ``wait()`` returned."""
+    from .comm_hooks import WorkFuture
+
+    try:
+        if timeout is not None and isinstance(work, dist.Work):
+            return work.wait(timeout=datetime.timedelta(seconds=timeout))
+        if timeout is not None and isinstance(work, WorkFuture):
+            return work.wait(timeout=timeout)
+        return work.wait()
+    except CollectiveError:
+        raise
+    except Exception as e:  # gloo/NCCL report timeouts and dead peers as RuntimeError
+        cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CollectiveError(
+            f"yashard: {what} failed: {cause}. A peer rank died, stalled, or issued a different sequence of "
+            "collectives (a rank that ran more or fewer forward passes or layers). Look for the first error "
+            "on the other ranks; ShardConfig(debug_collectives=True) finds the first divergence, "
+            "ShardConfig(collective_timeout=...) bounds the wait"
+        ) from e
 
 
 class Record(NamedTuple):
@@ -40,17 +70,30 @@ class Record(NamedTuple):
 
 @dataclass
 class CollectiveLog:
-    """Ordered record of the collectives one rank issued."""
+    """Ordered record of the collectives one rank issued (``enabled``), and, for the
+    collective-order guard (``track``), a running CRC32 of ``(op, unit, numel, nbytes, group)`` with the
+    records since the last :meth:`reset_sequence` (deterministic across processes, unlike ``hash``)."""
 
     enabled: bool = False
     records: list[Record] = field(default_factory=list)
+    track: bool = False
+    sequence: list[tuple] = field(default_factory=list)
+    crc: int = 0
 
     def add(self, op: str, unit: str, t: torch.Tensor, group: str) -> None:
         if self.enabled:
             self.records.append(Record(op, unit, t.numel(), t.numel() * t.element_size(), group))
+        if self.track:
+            key = (op, unit, t.numel(), t.numel() * t.element_size(), group)
+            self.sequence.append(key)
+            self.crc = zlib.crc32(repr(key).encode(), self.crc)
 
     def clear(self) -> None:
         self.records.clear()
+
+    def reset_sequence(self) -> None:
+        self.sequence.clear()
+        self.crc = 0
 
 
 class Comm:
@@ -61,7 +104,7 @@ class Comm:
     """
 
     def __init__(self, group: dist.ProcessGroup | None, *, shard_group_size: int | None = None,
-                 secondary_group_size: int | None = None):
+                 secondary_group_size: int | None = None, timeout: float | None = None):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "yashard.shard needs an initialised process group: call "
@@ -73,6 +116,7 @@ class Comm:
         self.world = dist.get_world_size(self.group)
         self.backend = str(dist.get_backend(self.group))
         self.log = CollectiveLog()
+        self.timeout = timeout  # seconds a wait may take before it raises (None: the group's own timeout)
         self.topology = topo = Topology(self.world, self.rank, shard_group_size or self.world, secondary_group_size)
         # Units are laid out and sharded over the shard group (this rank is ``shard_rank`` of
         # ``shard_world``); ``replica_world`` shard groups hold identical copies (hybrid sharding).
@@ -149,10 +193,19 @@ class Comm:
     def all_reduce(self, t: torch.Tensor, unit: str, group: dist.ProcessGroup | None = None, *,
                    op: str = "sum", async_op: bool = False):
         """In-place all-reduce of ``t`` over ``group`` (default: the shard group) with ``op`` in
-        {"sum", "max"}; returns the work handle when ``async_op``. Logged with ``t``'s size."""
+        {"sum", "max"}; returns the work handle when ``async_op``, else waits (bounded by
+        ``timeout``). Logged with ``t``'s size."""
         g = self.shard_group if group is None else group
         self.log.add("all_reduce", unit, t, self.name(g))
-        return dist.all_reduce(t, op=_OPS[op], group=g, async_op=async_op)
+        work = dist.all_reduce(t, op=_OPS[op], group=g, async_op=True)
+        if async_op:
+            return work
+        self.wait(work, f"all_reduce of {unit}")
+        return None
+
+    def wait(self, work, what: str):
+        """:func:`wait_work` with this rank's coordinates and timeout."""
+        return wait_work(work, f"{what} on rank {self.rank} of {self.world}", self.timeout)
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, unit: str, group: dist.ProcessGroup | None = None):
         """Async ``all_to_all_single`` over ``group`` (default: the shard group): ``inp`` is cut into
@@ -165,7 +218,15 @@ class Comm:
     def broadcast(self, t: torch.Tensor, src_rank: int, unit: str) -> None:
         """Blocking broadcast over the whole data-parallel group from its rank ``src_rank``."""
         self.log.add("broadcast", unit, t, "world")
-        dist.broadcast(t, src=dist.get_global_rank(self.group, src_rank), group=self.group)
+        work = dist.broadcast(t, src=dist.get_global_rank(self.group, src_rank), group=self.group, async_op=True)
+        self.wait(work, f"broadcast of {unit} (yashard.shard)")
+
+    def all_gather_tensor(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        """Every rank's ``t`` (whole data-parallel group) stacked along a new first dimension;
+        blocking, bounded by ``timeout``. Not logged: for the runtime's own checks."""
+        out = torch.empty(self.world * t.numel(), dtype=t.dtype, device=t.device)
+        self.wait(_all_gather(out, t.reshape(-1), group=self.group, async_op=True), what)
+        return out.view(self.world, *t.shape)
 
     def all_gather_object(self, obj) -> list:
         """Every rank's picklable ``obj`` (whole data-parallel group), for small metadata only."""

@@ -29,10 +29,12 @@ communication).
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+import torch.distributed as dist
 
 if TYPE_CHECKING:  # pragma: no cover
     from .collectives import Comm
@@ -98,9 +100,14 @@ class WorkFuture:
     def __init__(self, work, value_fn: Callable[[], Any]):
         self._work, self._value_fn, self._value, self._done = work, value_fn, None, False
 
-    def wait(self):
+    def wait(self, timeout: float | None = None):
+        """Wait (at most ``timeout`` seconds where the work supports it), then compute the value."""
         if not self._done:
-            self._work.wait()
+            if timeout is not None and isinstance(self._work, (dist.Work, WorkFuture)):
+                self._work.wait(timeout=datetime.timedelta(seconds=timeout) if isinstance(self._work, dist.Work)
+                                else timeout)
+            else:
+                self._work.wait()
             self._value = self._value_fn()
             self._done = True
             self._work = self._value_fn = None

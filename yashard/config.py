@@ -47,6 +47,17 @@ class ShardConfig:
             ``quant_block`` elements and dequantize into the weight buffer; the fp32 master shards are
             never quantized. ``None``: off. The norm group is never quantized.
         quant_block: elements per quantization block (one fp32 scale each) for qwZ.
+        on_nonfinite: what a NaN/inf in the gradients does at the next optimizer step: ``"raise"``
+            (:class:`yashard.NonFiniteError` naming the layer whose forward output, else whose
+            gradients, first went non-finite, and the ranks), ``"skip"`` (a warning, and the
+            optimizer skips the step: every master gradient is set to None), or ``"ignore"``. The
+            check costs one small all-gather per step.
+        debug_collectives: before every optimizer step, compare every rank's sequence of
+            collectives (op, layer, size) since the last step, by hash, and raise
+            :class:`yashard.CollectiveOrderError` at the first divergence. Off by default; cheap on.
+        collective_timeout: seconds any wait for a collective may take before it raises
+            :class:`yashard.CollectiveError` naming the layer and phase (a dead or stalled rank).
+            ``None`` leaves it to the process group's timeout.
     """
 
     param_dtype: torch.dtype = torch.float32
@@ -59,6 +70,9 @@ class ShardConfig:
     secondary_group_size: int | None = None
     quantized_weights: int | None = None
     quant_block: int = 4096
+    on_nonfinite: str = "raise"
+    debug_collectives: bool = False
+    collective_timeout: float | None = 600.0
 
     def __post_init__(self) -> None:
         if self.param_dtype not in _FLOAT_DTYPES:
@@ -97,6 +111,13 @@ class ShardConfig:
         if isinstance(self.quant_block, bool) or not isinstance(self.quant_block, int) or not 2 <= self.quant_block <= 32768 \
                 or self.quant_block % 2:
             raise ValueError(f"ShardConfig.quant_block must be an even int in [2, 32768], got {self.quant_block!r}")
+        if self.on_nonfinite not in ("raise", "skip", "ignore"):
+            raise ValueError(f"ShardConfig.on_nonfinite={self.on_nonfinite!r}; use 'raise', 'skip' or 'ignore'")
+        if not isinstance(self.debug_collectives, bool):
+            raise TypeError(f"ShardConfig.debug_collectives must be a bool, got {type(self.debug_collectives).__name__}")
+        t = self.collective_timeout
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
+            raise ValueError(f"ShardConfig.collective_timeout must be a positive number of seconds or None, got {t!r}")
         if self.device is not None:
             object.__setattr__(self, "device", torch.device(self.device))
 

@@ -86,8 +86,10 @@ class Completed:
 class Pending:
     """One collective in flight, plus the follow-up work to run on the comm stream once it lands.
 
-    ``work`` is a c10d work handle or a ``torch.futures.Future`` (a comm hook's result); ``on_done``
-    receives what its ``wait()`` returns (the future's value; ignore it for work handles).
+    ``work`` is a c10d work handle or a future (a comm hook's result); ``on_done`` receives what
+    waiting for it returns (the future's value; ignore it for work handles). ``waiter(work)`` does
+    the waiting (the runtime's bounds it in time and names the collective in errors); by default
+    ``work.wait()``.
 
     Contract: :meth:`wait` makes the current (compute) stream wait until the collective and its
     ``on_done`` have finished; it is idempotent, and ``on_done`` runs exactly once. On devices with
@@ -95,12 +97,14 @@ class Pending:
     first :meth:`wait` (the host blocks there, and only there).
     """
 
-    __slots__ = ("_work", "_on_done", "_streams", "_event", "done")
+    __slots__ = ("_work", "_on_done", "_waiter", "_streams", "_event", "done")
 
-    def __init__(self, streams: Streams, work, on_done: Callable[[object], None] | None = None):
+    def __init__(self, streams: Streams, work, on_done: Callable[[object], None] | None = None,
+                 waiter: Callable[[object], object] | None = None):
         self._streams = streams
         self._work = work
         self._on_done = on_done
+        self._waiter = waiter
         self._event = None
         self.done = False
         if streams.eager_finish:
@@ -108,12 +112,12 @@ class Pending:
 
     def _finish(self) -> None:
         with self._streams.comm_context():
-            result = self._work.wait()
+            result = self._work.wait() if self._waiter is None else self._waiter(self._work)
             if self._on_done is not None:
                 self._on_done(result)
             self._event = self._streams.record(self._streams.comm)
         self.done = True
-        self._work = self._on_done = None
+        self._work = self._on_done = self._waiter = None
 
     def wait(self) -> None:
         if not self.done:

@@ -24,6 +24,8 @@ from .collectives import Comm
 from .comm_hooks import GradBucket, reduce_scatter_hook
 from .config import ShardConfig
 from .events import Completed, Pending, Streams
+from . import guards
+from .guards import CollectiveOrderError, NonFiniteError
 from .gate_grad_flow import BackwardEntry, GateGradFlow
 from .layout import build_layout
 from .memory import MemoryPlan, plan_memory
@@ -187,6 +189,7 @@ class Runtime:
                     slot.qwz_workspace = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
         masters = self._materialise(groups, layouts)
+        removed: dict[nn.Parameter, str] = {}
         self.units: list[Unit] = []
         self.layers: list[Unit] = []
         self.embed = self.lm_head = self.small = None
@@ -211,7 +214,8 @@ class Runtime:
             if cfg.secondary_group_size is not None and kind == "layer":  # hpZ: this rank's secondary slice
                 unit.secondary = torch.empty(layout.padded // cfg.secondary_group_size, dtype=cfg.param_dtype,
                                              device=self.device)
-            for _, locs, _ in members:         # the HF modules no longer own these parameters
+            for p, locs, fqns in members:      # the HF modules no longer own these parameters
+                removed[p] = fqns[0]
                 for module, attr in locs:
                     module._parameters.pop(attr, None)
             self.units.append(unit)
@@ -230,6 +234,13 @@ class Runtime:
         for a, b in zip(order, order[1:] + [None]):
             a.next_forward = b
         self.norm_group = NormGroup(self.small) if self.small else None
+        for i, u in enumerate(self.units):
+            u.order = i
+        # Since the last optimizer step: did a unit's forward output / reduced gradient hold a NaN/inf?
+        self._fwd_nonfinite = torch.zeros(len(self.units), dtype=torch.bool, device=self.device)
+        self._grad_nonfinite = torch.zeros(len(self.units), dtype=torch.bool, device=self.device)
+        self.skipped_steps = 0
+        guards.track(self, removed)  # weak references: the removed parameters are freed as usual
         self.model.to(self.device)  # moves the remaining buffers (rotary tables, ...)
 
     def _materialise(self, groups, layouts) -> dict[str, torch.Tensor]:
@@ -327,8 +338,15 @@ class Runtime:
                     secondary, h = unit.secondary, comm.topology.secondary_rank
                     on_done = functools.partial(_keep_secondary, secondary, out, h)
                     unit.secondary_fwd = self.grad_fwd_id
-        unit.gathered = Pending(self.streams, work, on_done)
+        what = f"all_gather of {unit.name} ({self._phase()})"
+        unit.gathered = Pending(self.streams, work, on_done, functools.partial(comm.wait, what=what))
         slot.owner = unit
+
+    def _phase(self) -> str:
+        """Where the runtime is, for error messages: "forward #7", "backward of forward #7", ..."""
+        if self.in_backward:
+            return f"backward of forward #{self.grad_fwd_id}"
+        return f"forward #{self.grad_fwd_id}" if torch.is_grad_enabled() else "no-grad forward"
 
     def _ensure_gathered(self, unit: Unit) -> None:
         if unit.slot.owner is not unit or unit.gathered is None:
@@ -373,6 +391,12 @@ class Runtime:
             if unit.index != expected:
                 raise OrderError(self._order_message(unit.index, expected))
             self._fwd_cursor += 1
+        elif unit is self.lm_head and self._fwd_cursor != len(self.layers):
+            raise OrderError(
+                f"{self.spec.lm_head} ran after {self._fwd_cursor} of the {len(self.layers)} decoder layers "
+                f"({self.spec.layers}.{self._fwd_cursor} was expected next); yashard's alternating buffers need "
+                "every layer to run exactly once per forward, in order"
+            )
         self._ensure_gathered(unit)
         if self.norm_group is not None:
             self.norm_group.ensure_ready()
@@ -406,9 +430,15 @@ class Runtime:
 
     def _post_forward(self, unit: Unit, module, args, output):
         unit.slot.release = self.streams.record(self.streams.compute)  # R1 for the next owner
-        if not torch.is_grad_enabled() or unit is self.embed:
-            return None  # the embedding needs no weights in backward
+        if not torch.is_grad_enabled():
+            return None
         flat, spec = tree_flatten(output)
+        if self.config.on_nonfinite != "ignore":  # which unit first produced a NaN/inf (step_checks)
+            first = next((x for x in flat if isinstance(x, torch.Tensor) and x.is_floating_point()), None)
+            if first is not None:
+                self._fwd_nonfinite[unit.order].logical_or_(~torch.isfinite(first.detach()).all())
+        if unit is self.embed:
+            return None  # the embedding needs no weights in backward
         idx = [i for i, x in enumerate(flat) if _is_diff_tensor(x)]
         if not idx:
             return None
@@ -506,6 +536,7 @@ class Runtime:
         scale = 1.0 / self.dp_world
         master = unit.master
         replicas = self.comm.replica_group
+        check = self.config.on_nonfinite != "ignore"
 
         def accumulate(value):  # hybrid all-reduce, then post-divide, in fp32, into the persistent grad
             if not isinstance(value, torch.Tensor) or value.numel() != n:
@@ -517,9 +548,12 @@ class Runtime:
             with record_function("yashard::post_divide"):
                 if replicas is not None:
                     self.comm.all_reduce(value, unit.name, replicas)
+                if check:  # before clipping, which would spread a NaN to every gradient
+                    self._grad_nonfinite[unit.order].logical_or_(~torch.isfinite(value).all())
                 master.grad.add_(value, alpha=scale)
 
-        pending = Pending(self.streams, work, accumulate)
+        what = f"gradient reduction ({getattr(self.comm_hook, '__name__', 'comm hook')}) of {unit.name} ({self._phase()})"
+        pending = Pending(self.streams, work, accumulate, functools.partial(self.comm.wait, what=what))
         slot.grad_busy = pending
         self.pending.append(pending)
         unit.grad_claimed = False
@@ -574,6 +608,80 @@ class Runtime:
             )
         self.comm_hook, self.comm_hook_state = hook, state
 
+    # ------------------------------------------------------------------ checks before each step
+    @torch.no_grad()
+    def step_checks(self) -> None:
+        """Run by the optimizer step pre-hook (:mod:`yashard.guards`): non-finite values
+        (``on_nonfinite``) and the collective-order comparison (``debug_collectives``), with one
+        small all-gather over the data-parallel group."""
+        cfg, comm = self.config, self.comm
+        if cfg.on_nonfinite == "ignore" and not cfg.debug_collectives:
+            return
+        n = len(self.units)
+        log = comm.log
+        local = torch.cat([self._fwd_nonfinite.long(), self._grad_nonfinite.long(),
+                           torch.tensor([log.crc, len(log.sequence)], device=self.device)])
+        every = comm.all_gather_tensor(local, "step checks (before the optimizer step)").cpu()
+        self._fwd_nonfinite.zero_()
+        self._grad_nonfinite.zero_()
+        if cfg.debug_collectives:
+            if not (every[:, 2 * n:] == every[0, 2 * n:]).all():
+                self._raise_divergence()
+            log.reset_sequence()
+        if cfg.on_nonfinite == "ignore" or not every[:, : 2 * n].any():
+            return
+        message = self._nonfinite_message(every[:, :n].bool(), every[:, n: 2 * n].bool())
+        if cfg.on_nonfinite == "raise":
+            raise NonFiniteError(message + "; ShardConfig(on_nonfinite='skip') skips such steps instead")
+        self.skipped_steps += 1
+        for u in self.units:  # the optimizer skips parameters without gradients: a true skip
+            u.master.grad = None
+        if comm.rank == 0:
+            logger.warning("%s; skipping this optimizer step (%d skipped so far)", message, self.skipped_steps)
+
+    def _nonfinite_message(self, fwd: torch.Tensor, grad: torch.Tensor) -> str:
+        """Name the first unit (forward order) whose output, else the first (backward order) whose
+        gradients, held a NaN/inf, and the ranks that saw it."""
+        def ranks(col):
+            r = [i for i, bad in enumerate(col.tolist()) if bad]
+            return "every rank" if len(r) == self.comm.world else "rank" + ("s " if len(r) > 1 else " ") + ", ".join(map(str, r))
+
+        parts = []
+        bad_fwd = [u for u in self.forward_order if fwd[:, u.order].any()]
+        if bad_fwd:
+            u = bad_fwd[0]
+            parts.append(f"the forward output of {self._module_name(u)} was the first non-finite one (on "
+                         f"{ranks(fwd[:, u.order])})")
+        backward = ([self.lm_head] if self.lm_head else []) + self.layers[::-1] + ([self.embed] if self.embed else [])
+        backward += [self.small] if self.small else []
+        bad_grad = [u for u in backward if grad[:, u.order].any()]
+        if bad_grad:
+            names = ", ".join(self._module_name(u) for u in bad_grad[:4]) + (", ..." if len(bad_grad) > 4 else "")
+            parts.append(f"non-finite gradients in {names} (first in backward order: {self._module_name(bad_grad[0])}, "
+                         f"on {ranks(grad[:, bad_grad[0].order])})")
+        return "yashard: NaN/inf before optimizer step: " + "; ".join(parts)
+
+    def _module_name(self, unit: Unit) -> str:
+        if unit.kind == "layer":
+            return f"{self.spec.layers}.{unit.index}"
+        return {"embed": self.spec.embed, "lm_head": self.spec.lm_head}.get(unit.name, "the norm group")
+
+    def _raise_divergence(self) -> None:
+        seqs = self.comm.all_gather_object(list(self.comm.log.sequence))
+        ref = seqs[0]
+        for r, seq in enumerate(seqs[1:], 1):
+            k = next((i for i, (a, b) in enumerate(zip(ref, seq)) if a != b), min(len(ref), len(seq)))
+            if k < max(len(ref), len(seq)):
+                def show(x, i):
+                    return (f"{x[i][0]} of {x[i][1]} ({x[i][2]} elements, {x[i][3]} bytes, {x[i][4]} group)"
+                            if i < len(x) else "nothing")
+                raise CollectiveOrderError(
+                    f"ranks issued different collectives since the last optimizer step: collective #{k + 1} was "
+                    f"{show(ref, k)} on rank 0 but {show(seq, k)} on rank {r} (rank 0 issued {len(ref)}, rank {r} "
+                    f"issued {len(seq)}); every rank must run the same forward/backward passes over the same layers"
+                )
+        raise CollectiveOrderError("ranks' collective sequences hash differently but compare equal (hash collision?)")
+
     # ------------------------------------------------------------------ user-facing helpers
     def memory_plan(self) -> MemoryPlan:
         return plan_memory(self)
@@ -627,7 +735,7 @@ class Runtime:
             else:
                 raise ValueError(f"what must be 'params' or 'grads', got {what!r}")
             flat = torch.empty(u.layout.padded, dtype=torch.float32, device=self.device)
-            self.comm.all_gather(flat, shard.contiguous(), u.name).wait()
+            self.comm.wait(self.comm.all_gather(flat, shard.contiguous(), u.name), f"all_gather of {u.name} ({what})")
             for entry, fqns in zip(u.layout.entries, u.fqns):
                 t = flat[entry.offset : entry.end].view(entry.shape).clone()
                 for fqn in fqns:

@@ -1,0 +1,126 @@
+"""Rank functions for test_reliability.py."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+import yashard
+from models import batches, build
+
+
+def _setup(**cfg):
+    sm = yashard.shard(build(num_hidden_layers=4), config=yashard.ShardConfig(**cfg))
+    opt = torch.optim.AdamW(sm.param_groups(0.1), lr=1e-3)
+    return sm, opt
+
+
+def _step(sm, opt, rank, world, step):
+    ids = batches(step + 1, 2 * world, 8, 96)[step].chunk(world)[rank]
+    loss = sm(input_ids=ids, labels=ids).loss
+    loss.backward()
+    sm.clip_grad_norm_(1.0)
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+def _poison(sm, layer: int, where: str):
+    """Make one layer's forward output (or, for "grad", only its input gradient) non-finite."""
+    module = sm.module.model.layers[layer]
+    if where == "forward":
+        module.mlp.down_proj.register_forward_hook(lambda m, a, out: out * float("inf"))
+    else:
+        def poison_grad(m, a, out):
+            (out if isinstance(out, torch.Tensor) else out[0]).register_hook(lambda g: g * float("nan"))
+        module.register_forward_hook(poison_grad)
+
+
+def nonfinite(rank, world, mode, where):
+    """Step 0 clean, step 1 poisoned on rank 1 only, step 2 clean: what happens at step 1."""
+    sm, opt = _setup(on_nonfinite=mode)
+    _step(sm, opt, rank, world, 0)
+    before = {u.name: u.master.detach().clone() for u in sm.runtime.units}
+    if rank == 1:
+        _poison(sm, 2, where)
+    try:
+        _step(sm, opt, rank, world, 1)
+    except yashard.NonFiniteError as e:
+        return dict(error=str(e))
+    unchanged = all(torch.equal(before[u.name], u.master) for u in sm.runtime.units)
+    return dict(unchanged=unchanged, skipped=sm.runtime.skipped_steps)
+
+
+def nonfinite_skip_then_train(rank, world):
+    """skip mode: a poisoned step is skipped, the next clean step trains normally."""
+    sm, opt = _setup(on_nonfinite="skip")
+    _step(sm, opt, rank, world, 0)
+    before = {u.name: u.master.detach().clone() for u in sm.runtime.units}
+    hook = sm.module.model.layers[1].mlp.down_proj.register_forward_hook(lambda m, a, out: out * float("inf"))
+    _step(sm, opt, rank, world, 1)
+    hook.remove()
+    skipped = all(torch.equal(before[u.name], u.master) for u in sm.runtime.units)
+    loss = _step(sm, opt, rank, world, 2)
+    moved = not all(torch.equal(before[u.name], u.master) for u in sm.runtime.units)
+    return dict(skipped=skipped, moved=moved, count=sm.runtime.skipped_steps, loss=loss)
+
+
+def guard_run(rank, world, debug, diverge):
+    sm, opt = _setup(debug_collectives=debug)
+    losses = [_step(sm, opt, rank, world, s) for s in range(3)]
+    if diverge:  # same sizes, different layers: collectives pair up, but not the ones meant
+        u = sm.runtime.layers[1 + rank]
+        out = torch.empty(u.layout.padded)
+        sm.runtime.comm.all_gather(out, u.master.detach(), u.name).wait()
+        try:
+            _step(sm, opt, rank, world, 3)
+        except yashard.CollectiveOrderError as e:
+            return dict(error=str(e))
+    return dict(losses=losses)
+
+
+def die_or_stall(rank, world, victim_action, layer, timeout):
+    """Rank 1 dies (or sleeps) in the forward of ``layer`` at step 2; the others must raise."""
+    sm, opt = _setup(collective_timeout=timeout)
+    for step in range(2):
+        _step(sm, opt, rank, world, step)
+    if rank == 1:
+        def act(module, args):
+            if victim_action == "die":
+                os._exit(3)
+            time.sleep(120)
+        sm.module.model.layers[layer].register_forward_pre_hook(act)
+    t0 = time.monotonic()
+    try:
+        _step(sm, opt, rank, world, 2)
+    except yashard.CollectiveError as e:
+        return dict(error=str(e), seconds=time.monotonic() - t0)
+    return dict(error=None)
+
+
+def optimizer_before_shard(rank, world):
+    model = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sm = yashard.shard(model)
+    ids = torch.randint(0, 96, (2, 8))
+    sm(input_ids=ids, labels=ids).loss.backward()
+    try:
+        opt.step()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def lm_head_too_early(rank, world):
+    sm = yashard.shard(build())
+    inner = sm.module.model
+    real = inner.layers
+    inner.layers = torch.nn.ModuleList(list(real)[:3])  # the last layer is skipped
+    ids = torch.randint(0, 96, (2, 8))
+    try:
+        sm(input_ids=ids, labels=ids)
+    except yashard.OrderError as e:
+        return str(e)
+    return "no error"

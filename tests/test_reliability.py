@@ -1,0 +1,73 @@
+"""Failing loudly and early: non-finite values, diverging ranks, dead or stalled ranks, misuse.
+
+(Crash-safe checkpoints and refusing pickles are in test_checkpoint.py; bad input to shard() and
+ShardConfig in test_errors.py.)
+"""
+
+import re
+
+import pytest
+
+from harness import run_distributed, run_until_exit
+from reliability_workers import (die_or_stall, guard_run, lm_head_too_early, nonfinite,
+                                 nonfinite_skip_then_train, optimizer_before_shard)
+
+
+@pytest.mark.parametrize("where", ["forward", "grad"])
+def test_nonfinite_raises_naming_the_layer_and_the_rank(where):
+    results = run_distributed(nonfinite, 2, "raise", where)
+    for res in results:  # every rank raises the same error (the flags are all-gathered)
+        msg = res["error"]
+        assert msg == results[0]["error"]
+        if where == "forward":
+            assert re.search(r"the forward output of model\.layers\.2 was the first non-finite one \(on rank 1\)", msg), msg
+        else:
+            assert "forward output" not in msg
+            assert re.search(r"non-finite gradients in model\.layers\.2, model\.layers\.1, .*\(first in backward "
+                             r"order: model\.layers\.2, on every rank\)", msg), msg
+        assert "ShardConfig(on_nonfinite='skip') skips such steps instead" in msg
+
+
+def test_nonfinite_skip_leaves_the_weights_and_trains_on():
+    for res in run_distributed(nonfinite_skip_then_train, 2):
+        assert res["skipped"] and res["moved"] and res["count"] == 1
+    for res in run_distributed(nonfinite, 2, "ignore", "forward"):
+        assert not res["unchanged"]  # ignore: the step ran (and poisoned the weights)
+
+
+def test_collective_order_guard():
+    plain, guarded = (run_distributed(guard_run, 2, debug, False) for debug in (False, True))
+    assert [r["losses"] for r in plain] == [r["losses"] for r in guarded]  # the guard changes nothing
+    results = run_distributed(guard_run, 2, True, True)
+    for res in results:
+        assert re.search(r"ranks issued different collectives since the last optimizer step: collective #1 was "
+                         r"all_gather of layer_1 \(\d+ elements, \d+ bytes, world group\) on rank 0 but all_gather of "
+                         r"layer_2 .* on rank 1", res["error"]), res["error"]
+
+
+@pytest.mark.parametrize("action", ["die", "stall"])
+def test_a_dead_or_stalled_rank_makes_the_others_raise_in_bounded_time(action):
+    timeout = 4.0
+    out = run_until_exit(die_or_stall, 2, action, 3, timeout, timeout=90, grace=60, wait_for=(0,))
+    code, report = out[0]
+    assert report is not None, out
+    ok, res = report
+    assert ok and res["error"], out
+    assert re.search(r"yashard: (all_gather of \w+ \(forward #3\)|.*) on rank 0 of 2 failed: ", res["error"]), res["error"]
+    assert "A peer rank died, stalled, or issued a different sequence of collectives" in res["error"]
+    if action == "stall":
+        assert "timed out" in res["error"].lower() and timeout <= res["seconds"] < timeout + 10, res
+    else:
+        assert out[1][0] == 3 and res["seconds"] < 30, out  # the victim's own exit code
+
+
+def test_optimizer_built_before_shard_is_refused():
+    msg = run_distributed(optimizer_before_shard, 1)[0]
+    assert re.search(r"AdamW holds model\.embed_tokens\.weight, a parameter yashard\.shard removed from the model "
+                     r"\(the optimizer was built before yashard\.shard\): stepping it trains nothing\. Build the "
+                     r"optimizer after yashard\.shard", msg), msg
+
+
+def test_lm_head_before_every_layer_ran():
+    msg = run_distributed(lm_head_too_early, 1)[0]
+    assert msg.startswith("lm_head ran after 3 of the 4 decoder layers (model.layers.3 was expected next)"), msg

@@ -25,6 +25,7 @@ import data  # noqa: E402
 import finetune  # noqa: E402
 import pretrain  # noqa: E402
 import profiling  # noqa: E402
+import soak  # noqa: E402,F401
 import trace_stats as ts  # noqa: E402
 import train  # noqa: E402
 
@@ -174,6 +175,16 @@ def test_stop_and_resume_reproduce_the_uninterrupted_run_bitwise(pretrain_run, t
 
     a, b = weights(out / "final"), weights(full_out / "final")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in b)
+
+
+def test_soak_short(tmp_path, capsys):
+    """recipes/soak.py in brief: a 12-step run cut into segments at world 1 then 2 (resuming from
+    sharded checkpoints) matches the same run done in one go at world 2."""
+    import soak
+
+    assert soak.main(["--steps", "12", "--worlds", "1,2", "--out-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| 2 | 2 | 7-12 |" in out and "PASS" in out, out
 
 
 def test_sft_from_the_pretrained_checkpoint(sft_run):

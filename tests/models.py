@@ -6,14 +6,17 @@ import torch
 
 
 def tiny_config(family: str = "llama", **overrides):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import GemmaConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     base = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                 tie_word_embeddings=False, attn_implementation="eager")
-    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[family]
-    if family == "qwen3":
+    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
+           "gemma": GemmaConfig}[family]
+    if family in ("qwen3", "gemma"):
         base["head_dim"] = 8
+    if family == "gemma":  # Gemma ties its embeddings and scales them by sqrt(hidden_size)
+        base["tie_word_embeddings"] = True
     base.update(overrides)
     attn = base.pop("attn_implementation")
     cfg = cls(**base)

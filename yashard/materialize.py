@@ -274,6 +274,7 @@ class _Replay:
             if hasattr(module, "_is_hf_initialized"):
                 del module._is_hf_initialized
             fn(module)
+        _recompute_rotary(module)
         for pname, meta in metas.items():
             value = module._parameters[pname].detach()
             module._parameters[pname] = meta
@@ -287,6 +288,21 @@ class _Replay:
         for bname, b in module._buffers.items():
             if b is not None and b.is_floating_point() and torch.isnan(b).any():
                 self.unset.append(f"buffer {name}.{bname}")
+
+
+def _recompute_rotary(module: nn.Module) -> None:
+    """HF rotary embeddings compute ``inv_freq`` in their constructor; transformers 5 also does it in
+    ``_init_weights``, 4.x does not. Where it is still unset, compute it the constructor's way."""
+    buf = module._buffers.get("inv_freq")
+    init = getattr(module, "rope_init_fn", None)
+    if buf is None or init is None or not hasattr(module, "config") or not torch.isnan(buf).any():
+        return
+    inv_freq, scaling = init(module.config, "cpu")
+    module._buffers["inv_freq"] = inv_freq.to(buf.dtype)
+    if hasattr(module, "original_inv_freq"):
+        module.original_inv_freq = module._buffers["inv_freq"]
+    if hasattr(module, "attention_scaling"):
+        module.attention_scaling = scaling
 
 
 def replay_initialisation(model: nn.Module, on_param: Callable[[nn.Parameter, torch.Tensor], None]) -> None:

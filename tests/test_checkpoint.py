@@ -10,7 +10,6 @@ use a 1-rank gloo group in this process.
 import json
 import os
 import pickle
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +17,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -285,24 +283,6 @@ def test_export_loads_with_from_pretrained(straight, tmp_path):
 
 # ------------------------------------------------------------------------------------------------
 # Single-rank process group in this process
-
-
-@pytest.fixture(scope="module")
-def pg():
-    if dist.is_initialized():  # pragma: no cover - someone else owns the group
-        yield dist.group.WORLD
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: intra-op threads only contend (10x slower on a busy machine)
-    try:
-        yield dist.group.WORLD
-    finally:
-        torch.set_num_threads(threads)
-        dist.destroy_process_group()
 
 
 def _trained(family="llama", steps=2, opt_cls=torch.optim.AdamW, seed=0, **kw):

@@ -8,7 +8,6 @@ initialised, it runs in a fresh interpreter instead).
 
 import os
 import re
-import socket
 import subprocess
 import sys
 
@@ -106,22 +105,7 @@ def test_shard_config_of_wrong_type():
 
 
 # ---------------------------------------------------------------------------------------------
-# Errors that need a process group: one rank, gloo, in this process.
-
-
-@pytest.fixture(scope="module")
-def pg():
-    if dist.is_initialized():  # pragma: no cover - someone else owns the group
-        yield dist.group.WORLD
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
+# Errors that need a process group: one rank, gloo, in this process (the ``pg`` fixture, conftest.py).
 
 
 def test_shard_twice(pg):

@@ -236,9 +236,9 @@ def test_errors_name_the_problem_and_the_fix():
         Q.quantize(x, c8, s, block=4)
     with pytest.raises(ValueError, match=r"scales must be a contiguous 1-D float32 tensor, got torch.float16"):
         Q.quantize(x, c8, s.half(), block=16)
-    with pytest.raises(ValueError, match=r"codes must be a contiguous 1-D uint8/int8 tensor of codes_nbytes\(12"):
+    with pytest.raises(ValueError, match=r"codes has 10 bytes, expected codes_nbytes\(12, bits=8\) = 12"):
         Q.dequantize(c8, s, torch.empty(12), block=16)
-    with pytest.raises(ValueError, match=r"scales must be a contiguous 1-D float32 tensor of num_blocks\(10, block=4\) = 3"):
+    with pytest.raises(ValueError, match=r"scales has 1 elements, expected num_blocks\(10, block=4\) = 3"):
         Q.dequantize(c8, s, torch.empty(10), block=4)
     with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'triton', 'torch'\), got 'cuda'"):
         Q.quantize(x, c8, s, block=16, backend="cuda")

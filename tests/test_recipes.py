@@ -25,7 +25,6 @@ import data  # noqa: E402
 import finetune  # noqa: E402
 import pretrain  # noqa: E402
 import profiling  # noqa: E402
-import soak  # noqa: E402,F401
 import trace_stats as ts  # noqa: E402
 import train  # noqa: E402
 

@@ -240,16 +240,8 @@ def _f32_view(buf: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------- 1-D API
 
 
-def quantize(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, *, bits: int = 8,
-             block: int = 4096, backend: str = "auto") -> None:
-    """Quantize ``x`` (contiguous 1-D fp32/bf16/fp16) into ``codes`` and ``scales`` (see module doc).
-
-    ``codes``: contiguous 1-D uint8 or int8 with ``codes_nbytes(x.numel(), bits)`` elements.
-    ``scales``: contiguous 1-D fp32 with ``num_blocks(x.numel(), block)`` elements. Nothing is allocated
-    on the Triton path; all three tensors must share one device."""
-    check_format(bits, block)
-    _check_float("x", x)
-    n = x.numel()
+def _check_codes_scales(codes: torch.Tensor, scales: torch.Tensor, n: int, bits: int, block: int) -> None:
+    """Raise ValueError unless ``codes``/``scales`` are the contiguous 1-D buffers for ``n`` elements."""
     if codes.dtype not in (torch.uint8, torch.int8) or codes.dim() != 1 or not codes.is_contiguous():
         raise ValueError(f"codes must be a contiguous 1-D uint8/int8 tensor, got {codes.dtype} "
                          f"shape {tuple(codes.shape)}")
@@ -262,6 +254,19 @@ def quantize(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, *, bits
     if scales.numel() != num_blocks(n, block):
         raise ValueError(f"scales has {scales.numel()} elements, expected num_blocks({n}, block={block}) = "
                          f"{num_blocks(n, block)}")
+
+
+def quantize(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, *, bits: int = 8,
+             block: int = 4096, backend: str = "auto") -> None:
+    """Quantize ``x`` (contiguous 1-D fp32/bf16/fp16) into ``codes`` and ``scales`` (see module doc).
+
+    ``codes``: contiguous 1-D uint8 or int8 with ``codes_nbytes(x.numel(), bits)`` elements.
+    ``scales``: contiguous 1-D fp32 with ``num_blocks(x.numel(), block)`` elements. Nothing is allocated
+    on the Triton path; all three tensors must share one device."""
+    check_format(bits, block)
+    _check_float("x", x)
+    n = x.numel()
+    _check_codes_scales(codes, scales, n, bits, block)
     device = _check_device(x=x, codes=codes, scales=scales)
     codes = codes.view(torch.uint8)
     if resolve_backend(device, backend) == "triton":
@@ -278,14 +283,7 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, *, 
     check_format(bits, block)
     _check_float("out", out)
     n = out.numel()
-    if codes.dtype not in (torch.uint8, torch.int8) or codes.dim() != 1 or not codes.is_contiguous() \
-            or codes.numel() != codes_nbytes(n, bits):
-        raise ValueError(f"codes must be a contiguous 1-D uint8/int8 tensor of codes_nbytes({n}, bits={bits}) = "
-                         f"{codes_nbytes(n, bits)} bytes, got {codes.dtype} shape {tuple(codes.shape)}")
-    if scales.dtype != torch.float32 or scales.dim() != 1 or not scales.is_contiguous() \
-            or scales.numel() != num_blocks(n, block):
-        raise ValueError(f"scales must be a contiguous 1-D float32 tensor of num_blocks({n}, block={block}) = "
-                         f"{num_blocks(n, block)} elements, got {scales.dtype} shape {tuple(scales.shape)}")
+    _check_codes_scales(codes, scales, n, bits, block)
     device = _check_device(codes=codes, scales=scales, out=out)
     codes = codes.view(torch.uint8)
     if resolve_backend(device, backend) == "triton":

@@ -66,6 +66,7 @@ class Runtime:
         self.comm_hook_state = None
         self._workspaces: dict[str, torch.Tensor] = {}   # comm hooks' persistent scratch buffers
         self._bucket_index = 0
+        self._cast_versions: tuple | None = None   # master versions the param_dtype shards were cast at
         self._fwd_cursor = 0
         self._bwd_last_layer: int | None = None
         self._hooks = []
@@ -338,15 +339,13 @@ class Runtime:
                     secondary, h = unit.secondary, comm.topology.secondary_rank
                     on_done = functools.partial(_keep_secondary, secondary, out, h)
                     unit.secondary_fwd = self.grad_fwd_id
-        what = f"all_gather of {unit.name} ({self._phase()})"
-        unit.gathered = Pending(self.streams, work, on_done, functools.partial(comm.wait, what=what))
+        unit.gathered = Pending(self.streams, work, on_done,
+                                functools.partial(comm.wait, what=_What("all_gather", unit.name, self._phase_state())))
         slot.owner = unit
 
-    def _phase(self) -> str:
-        """Where the runtime is, for error messages: "forward #7", "backward of forward #7", ..."""
-        if self.in_backward:
-            return f"backward of forward #{self.grad_fwd_id}"
-        return f"forward #{self.grad_fwd_id}" if torch.is_grad_enabled() else "no-grad forward"
+    def _phase_state(self) -> tuple[bool, bool, int]:
+        """Where the runtime is (formatted by :class:`_What` only if an error needs it)."""
+        return self.in_backward, torch.is_grad_enabled(), self.grad_fwd_id
 
     def _ensure_gathered(self, unit: Unit) -> None:
         if unit.slot.owner is not unit or unit.gathered is None:
@@ -371,9 +370,11 @@ class Runtime:
             u.gathered = None      # masters may have changed since the last forward
             if grad:
                 u.fwd_version = u.master._version
-        if self.config.param_dtype != torch.float32:
-            with torch.no_grad():
+        versions = tuple(u.master._version for u in self.units)
+        if self.config.param_dtype != torch.float32 and versions != self._cast_versions:
+            with torch.no_grad():  # masters changed (optimizer step, load): refresh the cast shards
                 torch._foreach_copy_([u.gather_src for u in self.units], [u.master for u in self.units])
+            self._cast_versions = versions
         # Gathers of this forward start after everything compute did so far: the casts above, the
         # optimizer step, and the previous backward's last reads of the resident norm group (R1).
         self.streams.comm.wait_event(self.streams.record(self.streams.compute))
@@ -436,7 +437,7 @@ class Runtime:
         if self.config.on_nonfinite != "ignore":  # which unit first produced a NaN/inf (step_checks)
             first = next((x for x in flat if isinstance(x, torch.Tensor) and x.is_floating_point()), None)
             if first is not None:
-                self._fwd_nonfinite[unit.order].logical_or_(~torch.isfinite(first.detach()).all())
+                self._fwd_nonfinite[unit.order].logical_or_(_nonfinite(first.detach()))
         if unit is self.embed:
             return None  # the embedding needs no weights in backward
         idx = [i for i, x in enumerate(flat) if _is_diff_tensor(x)]
@@ -549,10 +550,11 @@ class Runtime:
                 if replicas is not None:
                     self.comm.all_reduce(value, unit.name, replicas)
                 if check:  # before clipping, which would spread a NaN to every gradient
-                    self._grad_nonfinite[unit.order].logical_or_(~torch.isfinite(value).all())
+                    self._grad_nonfinite[unit.order].logical_or_(_nonfinite(value))
                 master.grad.add_(value, alpha=scale)
 
-        what = f"gradient reduction ({getattr(self.comm_hook, '__name__', 'comm hook')}) of {unit.name} ({self._phase()})"
+        what = _What(f"gradient reduction ({getattr(self.comm_hook, '__name__', 'comm hook')})", unit.name,
+                     self._phase_state())
         pending = Pending(self.streams, work, accumulate, functools.partial(self.comm.wait, what=what))
         slot.grad_busy = pending
         self.pending.append(pending)
@@ -763,6 +765,26 @@ def _checkpointed_forward(inner, *args, **kwargs):
     if "use_cache" in kwargs:
         kwargs["use_cache"] = False
     return torch.utils.checkpoint.checkpoint(inner, *args, use_reentrant=False, **kwargs)
+
+
+class _What:
+    """Names a collective for error messages, formatted only when one is raised."""
+
+    __slots__ = ("op", "unit", "state")
+
+    def __init__(self, op: str, unit: str, state: tuple[bool, bool, int]):
+        self.op, self.unit, self.state = op, unit, state
+
+    def __str__(self) -> str:
+        in_backward, grad, fwd = self.state
+        phase = (f"backward of forward #{fwd}" if in_backward else f"forward #{fwd}" if grad else "no-grad forward")
+        return f"{self.op} of {self.unit} ({phase})"
+
+
+def _nonfinite(t: torch.Tensor) -> torch.Tensor:
+    """0-d bool: does ``t`` hold a NaN or inf? (One fp32 sum: NaN and inf propagate through it; no
+    tensor of ``t``'s size is allocated.)"""
+    return ~torch.isfinite(t.sum(dtype=torch.float32))
 
 
 def _keep_secondary(secondary: torch.Tensor, gathered: torch.Tensor, position: int, _result=None) -> None:

@@ -110,6 +110,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out-dir", default="bench_out", help="driver: where the markdown, JSON and PNG go")
     p.add_argument("--nproc", type=int, default=2, help="driver: world size of the matrix sweep")
     p.add_argument("--threads", type=int, default=1, help="driver: OMP_NUM_THREADS of every rank")
+    p.add_argument("--dtypes", default="fp32,bf16", help="driver: the matrix's dtypes (comma list)")
     p.add_argument("--scaling-layers", type=_int_list, default=[2, 4, 8])
     p.add_argument("--scaling-hidden", type=_int_list, default=[128, 256, 512])
     p.add_argument("--scaling-worlds", type=_int_list, default=[1, 2, 3, 4])
@@ -123,6 +124,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--warmup must be >= 1 (the first warm-up step is the one checked against the reference)")
     if min(args.micro_batch, args.accum, args.steps, args.repeats, args.nproc, args.threads) < 1:
         p.error("--micro-batch, --accum, --steps, --repeats, --nproc and --threads must be >= 1")
+    args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    if not args.dtypes or set(args.dtypes) - set(be.DTYPES):
+        p.error(f"--dtypes: unknown {sorted(set(args.dtypes) - set(be.DTYPES))}; choose from {','.join(be.DTYPES)}")
     if args.sweep and args.zeropp:
         p.error("--sweep (the driver) and --zeropp (a worker) exclude each other; --sweep zeropp launches it")
     try:
@@ -370,7 +374,7 @@ def _common(args) -> list[str]:
 
 def sweep_matrix(args) -> str:
     runs = []
-    for dtype in ("fp32", "bf16"):
+    for dtype in args.dtypes:
         for model, mb, accum in MATRIX:
             tag = f"matrix_{model}_{dtype}_{mb}x{accum}"
             runs.append(launch(args.nproc, ["--model", model, "--dtype", dtype, "--micro-batch", str(mb), "--accum",
@@ -399,7 +403,7 @@ def sweep_scaling(args) -> str:
 
 
 def sweep_zeropp(args) -> str:
-    res = launch(4, ["--zeropp"], os.path.join(args.out_dir, "zeropp.json"), args.threads)
+    res = launch(4, ["--zeropp", "--micro-batch", "1"], os.path.join(args.out_dir, "zeropp.json"), args.threads)
     text = br.render_volume(res["rows"], res["meta"])
     _write(os.path.join(args.out_dir, "zeropp.md"), text)
     return text

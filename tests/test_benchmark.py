@@ -202,6 +202,7 @@ def test_deepspeed_config_matches_the_other_engines():
     (["--sweep", "all", "--zeropp"], r"--sweep \(the driver\) and --zeropp \(a worker\) exclude each other"),
     (["--hidden", "100"], r"--hidden 100 must be a positive multiple of 16"),
     (["--scaling-worlds", "1,x"], r"expected a comma list of integers"),
+    (["--dtypes", "fp32,fp8"], r"--dtypes: unknown \['fp8'\]"),
 ])
 def test_cli_errors(argv, message, capsys):
     with pytest.raises(SystemExit):

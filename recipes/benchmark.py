@@ -124,6 +124,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--warmup must be >= 1 (the first warm-up step is the one checked against the reference)")
     if min(args.micro_batch, args.accum, args.steps, args.repeats, args.nproc, args.threads) < 1:
         p.error("--micro-batch, --accum, --steps, --repeats, --nproc and --threads must be >= 1")
+    bad = set(args.scaling_engines.split(",")) - set(be.ENGINES)
+    if bad:
+        p.error(f"--scaling-engines: unknown {sorted(bad)}; choose from {','.join(be.ENGINES)}")
     args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     if not args.dtypes or set(args.dtypes) - set(be.DTYPES):
         p.error(f"--dtypes: unknown {sorted(set(args.dtypes) - set(be.DTYPES))}; choose from {','.join(be.DTYPES)}")

@@ -195,6 +195,13 @@ def test_deepspeed_config_matches_the_other_engines():
     assert "bf16" not in be.deepspeed_config(A, 2)
 
 
+def test_deepspeed_missing_is_reported_not_raised(monkeypatch):
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert be.deepspeed_missing() == "not installed"
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--engines", "ddp,megatron"], r"--engines: unknown \['megatron'\]"),
     (["--warmup", "0"], r"--warmup must be >= 1"),
@@ -202,6 +209,7 @@ def test_deepspeed_config_matches_the_other_engines():
     (["--sweep", "all", "--zeropp"], r"--sweep \(the driver\) and --zeropp \(a worker\) exclude each other"),
     (["--hidden", "100"], r"--hidden 100 must be a positive multiple of 16"),
     (["--scaling-worlds", "1,x"], r"expected a comma list of integers"),
+    (["--scaling-engines", "yashard,zero9"], r"--scaling-engines: unknown \['zero9'\]"),
     (["--dtypes", "fp32,fp8"], r"--dtypes: unknown \['fp8'\]"),
 ])
 def test_cli_errors(argv, message, capsys):

@@ -1,103 +1,141 @@
-"""Benchmark yashard against FSDP2, DDP and FSDP1 on one model, one data stream, one optimizer.
+"""Benchmark yashard against FSDP2, DDP, FSDP1 and DeepSpeed ZeRO-3 on one model, one data stream,
+one optimizer (issue 5).
 
-Run under torchrun (every engine is built in the same processes; their timed blocks alternate
-round-robin so that machine drift hits every engine alike)::
+One configuration, every engine in the same processes (their timed blocks alternate round-robin so
+that machine drift hits every engine alike)::
 
-    torchrun --nproc_per_node 2 recipes/benchmark.py --model small --dtype bf16 --steps 5 --repeats 3
+    torchrun --nproc_per_node 2 recipes/benchmark.py --model small --dtype bf16 --micro-batch 2 --accum 2
 
-CPU + gloo by default; CUDA + NCCL when ``torch.cuda.is_available()`` (same code). Prints one
-markdown table on rank 0 (and writes it to ``--out`` when given).
+The ZeRO++ volume table (one step of yashard per mode, 4 processes acting as 2 nodes x 2 ranks)::
 
-What is compared, per engine:
+    torchrun --nproc_per_node 4 recipes/benchmark.py --zeropp
 
-* step time: median over ``steps * repeats`` timed steps (each step timed alone, the slowest rank
-  counts), after ``--warmup`` untimed steps; ``vs DDP`` is that median over DDP's;
-* tokens/s: global batch * sequence length / median step time;
-* memory, as the engine's own increment (all engines live in the same process, so absolute numbers
-  would include the others): *after build* is the increase from building the wrapped model and its
-  optimizer; *training peak* is the increase at the highest point of training (steady state after
-  warm-up, which adds optimizer state and gradients, plus the largest transient inside a timed
-  block: activations, gathered weights). On CPU this is process RSS (VmHWM reset through
-  /proc/self/clear_refs where the kernel allows it, and VmRSS sampled after every forward,
-  backward and optimizer step); on CUDA it is ``torch.cuda.memory_allocated`` /
-  ``max_memory_allocated``;
+The driver (plain python; it launches torchrun once per configuration / world size)::
+
+    python recipes/benchmark.py --sweep matrix  --out-dir bench_out   # fp32/bf16 x 4x1,2x2,1x4 small + wide 1x1
+    python recipes/benchmark.py --sweep scaling --out-dir bench_out   # layers, hidden size, world size 1..4
+    python recipes/benchmark.py --sweep zeropp  --out-dir bench_out
+    python recipes/benchmark.py --sweep all     --out-dir bench_out   # all three + report.md
+
+CPU + gloo by default; CUDA + NCCL when ``torch.cuda.is_available()`` (same code). Rank 0 prints
+markdown tables (and writes them to ``--out``; ``--json`` keeps the raw numbers).
+
+Columns of the per-engine table:
+
+* step ms: median over ``steps * repeats`` timed steps (each step timed alone, the slowest rank
+  counts), after ``--warmup`` untimed steps; *repeat spread*: (max - min) of the per-repeat medians
+  over the median; *vs DDP*: median over DDP's; *tokens/s*: global batch * seq / median;
+* memory, as the engine's own increment (all engines live in one process, so absolute numbers would
+  include the others), max over ranks: *build peak*: highest point while building the wrapped model
+  and its optimizer (every rank builds the full model before sharding it); *after build*: what is
+  left once built; *training peak*: highest point of training (steady state after warm-up: optimizer
+  state and gradients, plus the largest transient inside a timed block: activations, gathered
+  weights); *end-of-step drift*: max - min of the memory at the end of each timed step, within a
+  repeat (constant-after-step-one shows as ~0). On CPU process RSS (VmHWM reset through
+  /proc/self/clear_refs, plus VmRSS sampled after every forward, backward and optimizer step), on
+  CUDA ``memory_allocated`` / ``max_memory_allocated`` (and the reserved peak in the notes);
 * correctness: the first step's loss (averaged over ranks and micro-batches) minus the loss of an
   unsharded fp32 copy of the model on the full global batch, computed on rank 0, and the relative
-  difference of the pre-clip gradient norm of that first step.
+  difference of the pre-clip gradient norm of that step.
 
-Engines and their precision:
+The communication table counts, per optimizer step and rank, every collective each engine issues
+(one extra step after the timed ones, under ``bench_comm.CollectiveCounter``): how many, their
+payload (full tensor sizes, as yashard's log counts them) and the bytes one rank sends with ring
+algorithms. For yashard the count is cross-checked against its own collective log.
 
-* ``yashard``: ``yashard.shard`` with ``ShardConfig(param_dtype, reduce_dtype=fp32)``;
-* ``fsdp2``: ``fully_shard`` on every decoder layer, then the root; bf16 through
-  ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``;
-* ``fsdp1``: ``FullyShardedDataParallel`` wrapping every decoder layer; bf16 through
-  ``MixedPrecision(param_dtype=bf16, reduce_dtype=fp32)``;
-* ``ddp``: ``DistributedDataParallel`` with fp32 weights and gradients; with ``--dtype bf16`` the
-  forward runs under ``torch.autocast(bf16)`` (which casts matmul inputs, not the whole model; norms
-  and softmax stay fp32), and the gradients are all-reduced in fp32. With gradient accumulation DDP
-  skips the all-reduce of all but the last micro-batch (``no_sync``); the sharded engines reduce
-  every micro-batch (their default, which keeps gradients sharded).
-
-Every engine uses AdamW (lr 1e-3, weight decay 0.1 on matrices, 0 on 1-D parameters), clips the
-global gradient norm to 1.0, and sees the same global batches in the same order: rank r takes rows
-[r*B/W, (r+1)*B/W) of each global batch and splits them into ``--accum`` micro-batches.
+See ``bench_engines`` for how each engine is set up, and docs/benchmarks.md for the method.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
 import datetime
 import gc
+import json
 import os
-import re
-import statistics
+import socket
+import subprocess
+import sys
 import time
-from collections import Counter
-from dataclasses import dataclass, field
-from typing import Callable
+import warnings
 
 import torch
 import torch.distributed as dist
 
-import yashard
+import bench_comm
+import bench_engines as be
+import bench_report as br
 
-LR, WEIGHT_DECAY, CLIP = 1e-3, 0.1, 1.0
-ENGINES = ("yashard", "fsdp2", "ddp", "fsdp1")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-# Llama shapes. "small": about 4M parameters; "wide": about 50M parameters, short sequences (so the
-# step is dominated by weight traffic rather than activations).
-MODELS = {
-    "small": dict(hidden_size=256, intermediate_size=688, num_attention_heads=8, num_key_value_heads=4, seq=256),
-    "wide": dict(hidden_size=1024, intermediate_size=2816, num_attention_heads=16, num_key_value_heads=8, seq=64),
+SWEEPS = ("matrix", "scaling", "zeropp", "all")
+# The matrix: (model, micro-batch, accum) at the driver's world size, each in fp32 and bf16.
+MATRIX = [("small", 4, 1), ("small", 2, 2), ("small", 1, 4), ("wide", 1, 1)]
+ZEROPP_MODES = {
+    "plain": dict(),
+    "qwZ": dict(shard_kw={"quantized_weights": 8}),
+    "hpZ": dict(shard_kw={"secondary_group_size": 2}),
+    "qgZ": dict(qgz=True),
+    "qwZ+hpZ+qgZ": dict(shard_kw={"quantized_weights": 8, "secondary_group_size": 2}, qgz=True),
 }
-COMMON = dict(vocab_size=2048, num_hidden_layers=4, tie_word_embeddings=False)
 
 
-# ---------------------------------------------------------------------------------------- setup
-def parse_args(argv=None):
+# ---------------------------------------------------------------------------------------- CLI
+def _int_list(s: str) -> list[int]:
+    try:
+        out = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of integers, got {s!r}") from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {s!r}")
+    return out
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Parse and validate the command line (errors name the option and the fix)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", choices=sorted(MODELS), default="small")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    p.add_argument("--model", choices=sorted(be.MODELS), default="small")
+    p.add_argument("--layers", type=int, default=None, help="override the model's number of decoder layers")
+    p.add_argument("--hidden", type=int, default=None, help="override the model's hidden size (MLP scales with it)")
+    p.add_argument("--dtype", choices=sorted(be.DTYPES), default="fp32")
     p.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch, per rank")
     p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--steps", type=int, default=5, help="timed steps per engine per repeat")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per engine before the first repeat (>= 1)")
     p.add_argument("--repeats", type=int, default=3, help="round-robin rounds over the engines")
-    p.add_argument("--engines", default=",".join(ENGINES), help=f"comma list out of {','.join(ENGINES)}")
+    p.add_argument("--engines", default=",".join(be.ENGINES), help=f"comma list out of {','.join(be.ENGINES)}")
     p.add_argument("--seed", type=int, default=0, help="seed of the initial weights (same for every engine)")
-    p.add_argument("--out", default=None, help="also write the markdown table to this path")
+    p.add_argument("--out", default=None, help="also write the markdown to this path (rank 0)")
+    p.add_argument("--json", default=None, help="also write the raw results as JSON to this path (rank 0)")
+    p.add_argument("--zeropp", action="store_true", help="worker: the ZeRO++ volume table (world 4 = 2 nodes x 2)")
+    p.add_argument("--sweep", choices=SWEEPS, default=None, help="driver: launch torchrun for a set of runs")
+    p.add_argument("--out-dir", default="bench_out", help="driver: where the markdown, JSON and PNG go")
+    p.add_argument("--nproc", type=int, default=2, help="driver: world size of the matrix sweep")
+    p.add_argument("--threads", type=int, default=1, help="driver: OMP_NUM_THREADS of every rank")
+    p.add_argument("--dtypes", default="fp32,bf16", help="driver: the matrix's dtypes (comma list)")
+    p.add_argument("--scaling-layers", type=_int_list, default=[2, 4, 8])
+    p.add_argument("--scaling-hidden", type=_int_list, default=[128, 256, 512])
+    p.add_argument("--scaling-worlds", type=_int_list, default=[1, 2, 3, 4])
+    p.add_argument("--scaling-engines", default="yashard,fsdp2")
     args = p.parse_args(argv)
     args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    unknown = set(args.engines) - set(ENGINES)
+    unknown = set(args.engines) - set(be.ENGINES)
     if unknown or not args.engines:
-        p.error(f"--engines: unknown {sorted(unknown)}; choose from {','.join(ENGINES)}")
+        p.error(f"--engines: unknown {sorted(unknown)}; choose from {','.join(be.ENGINES)}")
     if args.warmup < 1:
         p.error("--warmup must be >= 1 (the first warm-up step is the one checked against the reference)")
-    if min(args.micro_batch, args.accum, args.steps, args.repeats) < 1:
-        p.error("--micro-batch, --accum, --steps and --repeats must be >= 1")
+    if min(args.micro_batch, args.accum, args.steps, args.repeats, args.nproc, args.threads) < 1:
+        p.error("--micro-batch, --accum, --steps, --repeats, --nproc and --threads must be >= 1")
+    bad = set(args.scaling_engines.split(",")) - set(be.ENGINES)
+    if bad:
+        p.error(f"--scaling-engines: unknown {sorted(bad)}; choose from {','.join(be.ENGINES)}")
+    args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    if not args.dtypes or set(args.dtypes) - set(be.DTYPES):
+        p.error(f"--dtypes: unknown {sorted(set(args.dtypes) - set(be.DTYPES))}; choose from {','.join(be.DTYPES)}")
+    if args.sweep and args.zeropp:
+        p.error("--sweep (the driver) and --zeropp (a worker) exclude each other; --sweep zeropp launches it")
+    try:
+        be.model_shape(args.model, args.layers, args.hidden)
+    except ValueError as exc:
+        p.error(str(exc))
     return args
 
 
@@ -111,211 +149,32 @@ def init_distributed() -> torch.device:
     return torch.device("cpu")
 
 
-def build_model(name: str, seed: int):
-    """A random-init HF Llama, identical on every call with the same seed (built on the CPU, fp32)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    shape = dict(MODELS[name])
-    seq = shape.pop("seq")
-    cfg = LlamaConfig(**COMMON, **shape, max_position_embeddings=seq)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(cfg).float()
-
-
-def global_batch(step: int, size: int, seq: int, vocab: int) -> torch.Tensor:
-    """The global batch of training step ``step`` (same for every engine and every rank)."""
-    g = torch.Generator().manual_seed(10_000 + step)
-    return torch.randint(0, vocab, (size, seq), generator=g)
-
-
-def split_params(params) -> list[dict]:
-    """AdamW groups: weight decay on matrices, none on 1-D parameters (norm weights, biases)."""
-    params = list(params)
-    return [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": WEIGHT_DECAY},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-
-
-# ---------------------------------------------------------------------------------------- memory
-def _use_returning_malloc() -> None:
-    """Make glibc serve large blocks with mmap and hand them back on free, so that RSS follows what
-    is actually live (otherwise freed tensors stay in the heap and blur every engine's increment)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-        libc.mallopt(M_MMAP_THRESHOLD, 64 * 1024)
-        libc.mallopt(M_TRIM_THRESHOLD, 128 * 1024)
-    except OSError:
-        pass
-
-
-def _status_kib(key: str) -> int:
-    with open("/proc/self/status") as f:
-        return int(re.search(rf"^{key}:\s+(\d+)", f.read(), re.M).group(1))
-
-
-class Memory:
-    """Current and peak memory of this process: RSS on CPU, allocated bytes on CUDA."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.sampled = 0
-        self.hwm_resettable = False
-
-    def now(self) -> int:
-        gc.collect()
-        if self.cuda:
-            torch.cuda.synchronize()
-            return torch.cuda.memory_allocated()
-        return _status_kib("VmRSS") * 1024
-
-    def sample(self) -> None:
-        if not self.cuda:
-            self.sampled = max(self.sampled, _status_kib("VmRSS") * 1024)
-
-    def reset_peak(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            return
-        self.sampled = _status_kib("VmRSS") * 1024
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
-            self.hwm_resettable = True
-        except OSError:
-            self.hwm_resettable = False
-
-    def peak(self) -> int:
-        if self.cuda:
-            torch.cuda.synchronize()
-            return torch.cuda.max_memory_allocated()
-        hwm = _status_kib("VmHWM") * 1024 if self.hwm_resettable else 0
-        return max(self.sampled, hwm)
-
-
-# ---------------------------------------------------------------------------------------- engines
-@dataclass
-class Engine:
-    name: str
-    precision: str                                   # how the column is labelled
-    model: torch.nn.Module
-    opt: torch.optim.Optimizer
-    clip: Callable[[], torch.Tensor]                 # clips to CLIP, returns the pre-clip norm
-    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-    no_sync: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-    step: int = 0                                    # optimizer steps taken (indexes the data)
-    times: list[list[float]] = field(default_factory=list)   # seconds, one list per repeat
-    build_bytes: int = 0
-    steady_bytes: int = 0
-    transient_bytes: int = 0
-    first_loss: float = float("nan")
-    first_norm: float = float("nan")
-    notes: list[str] = field(default_factory=list)
-
-
-def _local_norm(t) -> torch.Tensor:
-    """A clip_grad_norm_ result as a plain tensor (FSDP2 returns a replicated DTensor)."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def setup_yashard(args, device) -> Engine:
-    cfg = yashard.ShardConfig(param_dtype=DTYPES[args.dtype], reduce_dtype=torch.float32)
-    model = yashard.shard(build_model(args.model, args.seed), config=cfg)
-    opt = torch.optim.AdamW(model.param_groups(weight_decay=WEIGHT_DECAY), lr=LR)
-    precision = f"{args.dtype} compute, fp32 master + reduce"
-    return Engine("yashard", precision, model, opt, clip=lambda: model.clip_grad_norm_(CLIP))
-
-
-def setup_fsdp2(args, device) -> Engine:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    if args.dtype == "bf16":
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    else:
-        mp = MixedPrecisionPolicy()
-    model = build_model(args.model, args.seed).to(device)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
-    opt = torch.optim.AdamW(split_params(model.parameters()), lr=LR)
-    clip = lambda: _local_norm(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP))  # noqa: E731
-    return Engine("fsdp2", f"{args.dtype} compute, fp32 master + reduce", model, opt, clip)
-
-
-def setup_fsdp1(args, device) -> Engine:
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp import MixedPrecision
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-
-    model = build_model(args.model, args.seed)
-    layer_cls = type(model.model.layers[0])
-    mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.dtype == "bf16" else None
-    model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({layer_cls}), mixed_precision=mp,
-                 device_id=device, use_orig_params=True)
-    opt = torch.optim.AdamW(split_params(model.parameters()), lr=LR)
-    return Engine("fsdp1", f"{args.dtype} compute, fp32 master + reduce", model, opt,
-                  clip=lambda: model.clip_grad_norm_(CLIP))
-
-
-def setup_ddp(args, device) -> Engine:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    model = build_model(args.model, args.seed).to(device)
-    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    opt = torch.optim.AdamW(split_params(model.parameters()), lr=LR)
-    clip = lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)  # noqa: E731
-    if args.dtype == "bf16":
-        autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16)  # noqa: E731
-        precision = "fp32 weights, autocast bf16, fp32 reduce"
-    else:
-        autocast, precision = contextlib.nullcontext, "fp32"
-    eng = Engine("ddp", precision, model, opt, clip, autocast=autocast, no_sync=model.no_sync)
-    if args.accum > 1:
-        eng.notes.append("no_sync on all but the last micro-batch")
-    return eng
-
-
-SETUP = {"yashard": setup_yashard, "fsdp2": setup_fsdp2, "fsdp1": setup_fsdp1, "ddp": setup_ddp}
-
-
-# ---------------------------------------------------------------------------------------- training
-def train_step(eng: Engine, args, device, vocab: int, seq: int, mem: Memory) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step of ``eng``; returns (this rank's mean loss, pre-clip global grad norm)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    batch = global_batch(eng.step, args.micro_batch * args.accum * world, seq, vocab)
-    local = batch.chunk(world)[rank].to(device)
-    loss = torch.zeros((), device=device)
-    for i, micro in enumerate(local.chunk(args.accum)):
-        last = i == args.accum - 1
-        with (contextlib.nullcontext() if last else eng.no_sync()):
-            with eng.autocast():
-                out = eng.model(input_ids=micro, labels=micro)
-            mem.sample()
-            (out.loss / args.accum).backward()
-        loss += out.loss.detach().float() / args.accum
-        mem.sample()
-    norm = eng.clip()
-    eng.opt.step()
-    eng.opt.zero_grad(set_to_none=True)
-    mem.sample()
-    eng.step += 1
-    return loss, norm
-
-
 def sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
 
 
-def warm_up(eng: Engine, args, device, vocab, seq, mem: Memory, before_build: int) -> None:
+def _max_over_ranks(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+# ---------------------------------------------------------------------------------------- compare run
+def reference(shape: dict, args, vocab: int) -> tuple[float, float]:
+    """Loss and pre-clip grad norm of step one: unsharded fp32 copy, full global batch, one process."""
+    model = be.build_model(shape, args.seed)
+    batch = be.global_batch(0, args.micro_batch * args.accum * dist.get_world_size(), shape["seq"], vocab)
+    out = model(input_ids=batch, labels=batch)
+    out.loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+    return out.loss.item(), norm.item()
+
+
+def warm_up(eng: be.Engine, args, device, shape, vocab, mem: be.Memory, before_build: int) -> None:
     """Untimed steps; the first one is the correctness check, the rest settle allocations."""
     for i in range(args.warmup):
-        loss, norm = train_step(eng, args, device, vocab, seq, mem)
+        loss, norm = be.train_step(eng, args, device, shape, vocab, mem)
         if i == 0:
             dist.all_reduce(loss)
             eng.first_loss = loss.item() / dist.get_world_size()
@@ -323,159 +182,286 @@ def warm_up(eng: Engine, args, device, vocab, seq, mem: Memory, before_build: in
     eng.steady_bytes = mem.now() - before_build
 
 
-def timed_block(eng: Engine, args, device, vocab, seq, mem: Memory) -> list[float]:
+def timed_block(eng: be.Engine, args, device, shape, vocab, mem: be.Memory) -> None:
     dist.barrier()
     base = mem.now()
     mem.reset_peak()
-    times = []
+    times, ends = [], []
     for _ in range(args.steps):
         sync(device)
         t0 = time.perf_counter()
-        train_step(eng, args, device, vocab, seq, mem)
+        be.train_step(eng, args, device, shape, vocab, mem)
         sync(device)
         times.append(time.perf_counter() - t0)
+        ends.append(mem.current())
     eng.transient_bytes = max(eng.transient_bytes, mem.peak() - base)
-    return times
+    eng.times.append(times)
+    eng.end_mem.append(ends)
 
 
-def reference(args, vocab: int, seq: int) -> tuple[float, float]:
-    """Loss and pre-clip grad norm of step one: unsharded fp32 copy, full global batch, one process."""
-    model = build_model(args.model, args.seed)
-    batch = global_batch(0, args.micro_batch * args.accum * dist.get_world_size(), seq, vocab)
-    out = model(input_ids=batch, labels=batch)
-    out.loss.backward()
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
-    return out.loss.item(), norm.item()
+def count_comm(eng: be.Engine, args, device, shape, vocab, mem) -> None:
+    """One more step under the collective counter (and, for yashard, its own log): per-step totals."""
+    log = eng.model.collective_log() if eng.name.startswith("yashard") else None
+    if log is not None:
+        log.clear()
+        log.enabled = True
+    with bench_comm.CollectiveCounter() as counter:
+        be.train_step(eng, args, device, shape, vocab, mem)
+    eng.comm = bench_comm.summarize(counter.calls, 1)
+    if log is not None:
+        log.enabled = False
+        comm = eng.model.runtime.comm
+        sizes = {"world": comm.world, "shard": comm.shard_world}
+        eng.extra["log_comm"] = bench_comm.summarize_log(list(log.records), 1, sizes)
+        log.clear()
 
 
-# ---------------------------------------------------------------------------------------- report
-def mib(b: float) -> str:
-    return f"{b / 2**20:.1f}"
+def run_compare(args, device) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mem = be.Memory(device)
+    shape = be.model_shape(args.model, args.layers, args.hidden)
+    probe = be.build_model(shape, args.seed)
+    vocab, n_params = probe.config.vocab_size, sum(p.numel() for p in probe.parameters())
+    del probe
+    ref = reference(shape, args, vocab) if rank == 0 else (float("nan"), float("nan"))
+    gc.collect()
+
+    engines, skipped, footer = [], {}, []
+    for name in args.engines:
+        if name == "deepspeed" and be.deepspeed_missing():
+            skipped[name] = be.deepspeed_missing()
+            continue
+        dist.barrier()
+        before = mem.now()
+        mem.reset_peak()
+        try:
+            eng, error = be.SETUP[name](args, device, shape), None
+        except Exception as exc:  # noqa: BLE001 - an engine this setup cannot run is reported, not fatal
+            eng, error = None, f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+        errors = [None] * world
+        dist.all_gather_object(errors, error)
+        if any(errors):
+            skipped[name] = f"not run: {next(e for e in errors if e)}"
+            del eng
+            continue
+        eng.build_peak_bytes = mem.peak() - before
+        eng.build_bytes = mem.now() - before
+        warm_up(eng, args, device, shape, vocab, mem, before)
+        engines.append(eng)
+
+    for r in range(args.repeats):
+        # Rotate the starting engine every round so no engine always runs first (or after the same one).
+        order = engines[r % len(engines):] + engines[: r % len(engines)] if engines else []
+        for eng in order:
+            timed_block(eng, args, device, shape, vocab, mem)
+    for eng in engines:
+        count_comm(eng, args, device, shape, vocab, mem)
+
+    out_engines = []
+    for eng in engines:
+        times = torch.tensor(eng.times, dtype=torch.float64)
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)  # per step, the slowest rank
+        drift = max(max(block) - min(block) for block in eng.end_mem)
+        build_peak, after_build, steady, peak, drift = _max_over_ranks(
+            [eng.build_peak_bytes, eng.build_bytes, eng.steady_bytes, eng.steady_bytes + eng.transient_bytes, drift])
+        entry = dict(name=eng.name, precision=eng.precision, notes=eng.notes, times=times.tolist(),
+                     build_peak=build_peak, after_build=after_build, steady=steady, train_peak=peak,
+                     end_drift=drift, first_loss=eng.first_loss, first_norm=eng.first_norm, comm=eng.comm,
+                     **eng.extra)
+        out_engines.append(entry)
+        if "log_comm" in eng.extra:
+            lc, c = eng.extra["log_comm"], eng.comm
+            same = lc["count"] == c["count"] and lc["payload"] == c["payload"]
+            footer.append(
+                f"{eng.name}: its collective log says {lc['count']:g} collectives, {lc['payload'] / br.MiB:.2f} MiB "
+                f"per step; the dispatch counter saw {c['count']:g}, {c['payload'] / br.MiB:.2f} MiB "
+                f"({'identical' if same else 'DIFFERENT'}).")
+        if "plan_bytes" in eng.extra:
+            footer.append(f"{eng.name}: memory_plan().total_bytes {br.mib(eng.extra['plan_bytes'])} MiB + AdamW state "
+                          f"{br.mib(eng.extra['adamw_bytes'])} MiB (steady increment measured: {br.mib(steady)} MiB).")
+    if device.type == "cuda":
+        footer.append(f"CUDA reserved peak of the process (all engines): {br.mib(be.Memory(device).reserved_peak())} MiB.")
+    if device.type == "cpu" and dist.get_backend() == "gloo":
+        footer.append("gloo executes a reduce-scatter as an all-reduce of the full tensor: on CPU a reduce-scatter "
+                      "moves about twice the ring estimate.")
+
+    gb = args.micro_batch * args.accum * world
+    meta = dict(model=args.model, layers=shape["num_hidden_layers"], hidden=shape["hidden_size"], dtype=args.dtype,
+                micro_batch=args.micro_batch, accum=args.accum, world=world, backend=str(dist.get_backend()),
+                device=device.type, n_params=n_params, seq=shape["seq"], global_batch=gb, tokens=gb * shape["seq"],
+                lr=be.LR, wd=be.WEIGHT_DECAY, clip=be.CLIP, warmup=args.warmup, steps=args.steps,
+                repeats=args.repeats, torch=torch.__version__, threads=torch.get_num_threads(),
+                ref_loss=ref[0], ref_norm=ref[1], mem_kind="alloc" if device.type == "cuda" else "RSS")
+    return dict(meta=meta, engines=out_engines, skipped=skipped, footer=footer)
 
 
-def human(b: float) -> str:
-    return f"{b / 2**20:.2f} MiB" if b >= 2**17 else f"{b:g} B"
+# ---------------------------------------------------------------------------------------- ZeRO++ volume
+def run_zeropp(args, device) -> dict:
+    """One logged step of yashard (bf16 params and gradients) per ZeRO++ mode; world must be a
+    multiple of 2 (ranks per node)."""
+    import yashard
+    from yashard import comm_hooks
+
+    world, rpn = dist.get_world_size(), 2
+    if world % rpn or world < 2 * rpn:
+        raise SystemExit(f"--zeropp needs a world of 2 nodes x {rpn} ranks or more (a multiple of {rpn}, >= {2 * rpn});"
+                         f" got {world}: run torchrun --nproc_per_node 4")
+    shape = be.model_shape(args.model, args.layers, args.hidden)
+    rows, m_bytes = [], None
+    for name, mode in ZEROPP_MODES.items():
+        cfg = yashard.ShardConfig(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, **mode.get("shard_kw", {}))
+        model = yashard.shard(be.build_model(shape, args.seed), config=cfg)
+        if mode.get("qgz"):
+            model.register_comm_hook(comm_hooks.QgzState(model, ranks_per_node=rpn, bits=4), comm_hooks.qgz_hook)
+        opt = torch.optim.AdamW(model.param_groups(weight_decay=be.WEIGHT_DECAY), lr=be.LR)
+        layers = [u for u in model.runtime.units if u.kind == "layer"]
+        m = sum(u.layout.padded for u in layers) * 2
+        m_bytes = m if m_bytes is None else m_bytes
+        log = model.collective_log()
+        records = []
+        for step in range(2):  # step 0 warms up; step 1 is logged
+            ids = be.global_batch(step, args.micro_batch * world, shape["seq"], be.COMMON["vocab_size"]).chunk(world)[dist.get_rank()]
+            log.clear()
+            log.enabled = step == 1
+            out = model(input_ids=ids, labels=ids)
+            records += [("fwd", *r) for r in log.records]
+            log.clear()
+            out.loss.backward()
+            records += [("bwd", *r) for r in log.records]
+            log.clear()
+            model.clip_grad_norm_(be.CLIP)
+            records += [("opt", *r) for r in log.records]
+            log.enabled = False
+            opt.step()
+            opt.zero_grad()
+        terms = br.volume_terms(records)
+        layer_bytes = sum(b for t in terms.values() for b in t.values())
+        all_bytes = sum(r[4] for r in records)
+        rows.append(dict(name=name, terms=terms, other_bytes=all_bytes - layer_bytes, count=len(records)))
+        model.runtime.remove_hooks()
+        del model, opt
+        gc.collect()
+    meta = dict(model=args.model, layers=shape["num_hidden_layers"], world=world, ranks_per_node=rpn, M=m_bytes)
+    return dict(meta=meta, rows=rows)
 
 
-def yashard_comm(eng: Engine, args, vocab, seq, device, mem) -> list[str]:
-    """Collectives of one yashard rank per step, from its collective log (over ``--steps`` steps)."""
-    log = eng.model.collective_log()
-    log.clear()
-    log.enabled = True
-    for _ in range(args.steps):
-        train_step(eng, args, device, vocab, seq, mem)
-    log.enabled = False
-    recs = list(log.records)
-    log.clear()
-    n = args.steps
-    count, nbytes = Counter(), Counter()
-    for op, _unit, _numel, b, _group in recs:
-        count[op] += 1
-        nbytes[op] += b
-    per_op = ", ".join(f"{op} {count[op] / n:g} x, {human(nbytes[op] / n)}" for op in sorted(count))
-    plan = eng.model.memory_plan()
-    return [
-        f"yashard per step and rank: {len(recs) / n:g} collectives, {human(sum(nbytes.values()) / n)} "
-        f"of collective tensors ({per_op}); sizes are the full (gathered / pre-reduce) tensors, a ring "
-        f"moves (W-1)/W of that per rank",
-        f"yashard memory_plan().total_bytes: {mib(plan.total_bytes)} MiB "
-        f"(+ AdamW state {mib(plan.adamw_bytes)} MiB held by the optimizer)",
-    ]
+# ---------------------------------------------------------------------------------------- driver
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
-def render(args, engines: list[Engine], ref: tuple[float, float], header: list[str], footer: list[str], device) -> str:
-    tokens = args.micro_batch * args.accum * dist.get_world_size() * MODELS[args.model]["seq"]
-    medians = {e.name: statistics.median(t for block in e.times for t in block) for e in engines}
-    mem_kind = "alloc" if device.type == "cuda" else "RSS"
-    lines = header + [
-        "",
-        f"| engine | precision | step ms (median) | repeat spread | vs DDP | tokens/s | {mem_kind} after build MiB "
-        f"| {mem_kind} training peak MiB | step-1 loss - ref | step-1 grad-norm rel diff |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for e in engines:
-        med = medians[e.name]
-        per_repeat = [statistics.median(block) for block in e.times]
-        spread = (max(per_repeat) - min(per_repeat)) / med
-        ratio = f"{med / medians['ddp']:.2f}x" if "ddp" in medians else "-"
-        precision = e.precision + "".join(f"; {n}" for n in e.notes)
-        lines.append(
-            f"| {e.name} | {precision} | {med * 1e3:.1f} | {spread:.0%} | {ratio} | {tokens / med:,.0f} "
-            f"| {mib(e.build_bytes)} | {mib(e.steady_bytes + e.transient_bytes)} "
-            f"| {e.first_loss - ref[0]:+.2e} | {abs(e.first_norm - ref[1]) / ref[1]:.1e} |"
-        )
-    return "\n".join(lines + [""] + footer) + "\n"
+def launch(nproc: int, worker_args: list[str], json_path: str, threads: int) -> dict:
+    """Run this script under torchrun with ``worker_args`` and return the JSON rank 0 wrote."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+           str(_free_port()), os.path.join(here, "benchmark.py"), *worker_args, "--json", json_path]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    root = os.path.dirname(here)
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    print("+", " ".join(cmd), flush=True)
+    t0 = time.time()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"worker failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    print(f"  done in {time.time() - t0:.0f} s", flush=True)
+    with open(json_path) as f:
+        return json.load(f)
+
+
+def _common(args) -> list[str]:
+    return ["--steps", str(args.steps), "--warmup", str(args.warmup), "--repeats", str(args.repeats),
+            "--seed", str(args.seed)]
+
+
+def sweep_matrix(args) -> str:
+    runs = []
+    for dtype in args.dtypes:
+        for model, mb, accum in MATRIX:
+            tag = f"matrix_{model}_{dtype}_{mb}x{accum}"
+            runs.append(launch(args.nproc, ["--model", model, "--dtype", dtype, "--micro-batch", str(mb), "--accum",
+                                            str(accum), "--engines", ",".join(args.engines), *_common(args)],
+                               os.path.join(args.out_dir, tag + ".json"), args.threads))
+    text = br.render_matrix(runs)
+    _write(os.path.join(args.out_dir, "matrix.md"), text)
+    br.plot_matrix(runs, os.path.join(args.out_dir, "matrix.png"))
+    return text
+
+
+def sweep_scaling(args) -> str:
+    points = []
+    base = ["--model", "small", "--engines", args.scaling_engines, *_common(args)]
+    for sweep, values, flag in (("layers", args.scaling_layers, "--layers"), ("hidden", args.scaling_hidden, "--hidden"),
+                                ("world", args.scaling_worlds, None)):
+        runs = []
+        for v in values:
+            nproc = v if flag is None else args.nproc
+            extra = [] if flag is None else [flag, str(v)]
+            runs.append(launch(nproc, base + extra, os.path.join(args.out_dir, f"scaling_{sweep}_{v}.json"), args.threads))
+        points += br.scaling_points(runs, sweep)
+    text = br.render_scaling(points)
+    _write(os.path.join(args.out_dir, "scaling.md"), text)
+    return text
+
+
+def sweep_zeropp(args) -> str:
+    res = launch(4, ["--zeropp", "--micro-batch", "1"], os.path.join(args.out_dir, "zeropp.json"), args.threads)
+    text = br.render_volume(res["rows"], res["meta"])
+    _write(os.path.join(args.out_dir, "zeropp.md"), text)
+    return text
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+    print(f"wrote {path}", flush=True)
+
+
+def driver(args) -> None:
+    os.makedirs(args.out_dir, exist_ok=True)
+    t0 = time.time()
+    parts = []
+    for name, fn in (("matrix", sweep_matrix), ("scaling", sweep_scaling), ("zeropp", sweep_zeropp)):
+        if args.sweep in (name, "all"):
+            parts.append(fn(args))
+    text = "\n".join(parts) + f"\n_{args.sweep} sweep: {time.time() - t0:.0f} s wall, threads/rank {args.threads}._\n"
+    if args.sweep == "all":
+        _write(os.path.join(args.out_dir, "report.md"), text)
+    print(text, flush=True)
 
 
 # ---------------------------------------------------------------------------------------- main
 def main() -> None:
     args = parse_args()
+    if args.sweep:
+        if "RANK" in os.environ:
+            raise SystemExit("--sweep is the driver: run it with plain python, not under torchrun (it launches torchrun)")
+        return driver(args)
+    if "RANK" not in os.environ:
+        raise SystemExit("run a single configuration under torchrun (torchrun --nproc_per_node 2 recipes/benchmark.py), "
+                         "or use --sweep to launch a set of them")
+    warnings.filterwarnings("ignore", category=FutureWarning)  # DeepSpeed's deprecated collective names
+    warnings.filterwarnings("ignore", category=UserWarning, module="torch.distributed")
     device = init_distributed()
     if device.type == "cpu":
-        _use_returning_malloc()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mem = Memory(device)
-    seq = MODELS[args.model]["seq"]
-    probe = build_model(args.model, args.seed)
-    vocab, n_params = probe.config.vocab_size, sum(p.numel() for p in probe.parameters())
-    del probe
-
-    ref = reference(args, vocab, seq) if rank == 0 else (float("nan"), float("nan"))
-    gc.collect()
-
-    engines, footer = [], []
-    for name in args.engines:
-        dist.barrier()
-        before = mem.now()
-        try:
-            eng, error = SETUP[name](args, device), None
-        except Exception as exc:  # noqa: BLE001 - an engine this torch cannot run is reported, not fatal
-            eng, error = None, f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
-        errors = [None] * world
-        dist.all_gather_object(errors, error)
-        if any(errors):
-            footer.append(f"{name}: not run ({next(e for e in errors if e)})")
-            del eng
-            continue
-        eng.build_bytes = mem.now() - before
-        warm_up(eng, args, device, vocab, seq, mem, before)
-        engines.append(eng)
-
-    for r in range(args.repeats):
-        # Rotate the starting engine every round so no engine always runs first (or after the same one).
-        order = engines[r % len(engines):] + engines[: r % len(engines)]
-        for eng in order:
-            eng.times.append(timed_block(eng, args, device, vocab, seq, mem))
-
-    # Per-step times as seen by the slowest rank.
-    for eng in engines:
-        t = torch.tensor(eng.times, dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        eng.times = t.tolist()
-    for eng in engines:
-        if eng.name == "yashard":
-            footer = yashard_comm(eng, args, vocab, seq, device, mem) + footer
-
-    if rank == 0:
-        gb = args.micro_batch * args.accum * world
-        header = [
-            f"## {args.model} Llama ({n_params / 1e6:.2f}M params), {args.dtype}, world {world} "
-            f"({dist.get_backend()}, {device.type})",
-            "",
-            f"global batch {gb} x seq {seq} = {gb * seq} tokens/step (per rank {args.micro_batch} x "
-            f"{args.accum} accum); AdamW lr {LR} wd {WEIGHT_DECAY}, clip {CLIP}; {args.warmup} warm-up, "
-            f"{args.steps} timed steps x {args.repeats} round-robin repeats; torch {torch.__version__}, "
-            f"threads/rank {torch.get_num_threads()}. Reference: fp32 unsharded, loss {ref[0]:.6f}, "
-            f"grad norm {ref[1]:.6f}. Memory: this engine's increment of process {('RSS' if device.type == 'cpu' else 'allocated bytes')}.",
-        ]
-        table = render(args, engines, ref, header, footer, device)
-        print(table, flush=True)
+        be.use_returning_malloc()
+    if args.zeropp:
+        res = run_zeropp(args, device)
+        text = br.render_volume(res["rows"], res["meta"])
+    else:
+        res = run_compare(args, device)
+        text = br.render_run(res)
+    if dist.get_rank() == 0:
+        print(text, flush=True)
         if args.out:
-            with open(args.out, "w") as f:
-                f.write(table)
-
+            _write(args.out, text)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=1)
     dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
     os._exit(0)
 
 

@@ -1,0 +1,380 @@
+"""The engines the benchmark compares, the model they train, and the process memory meter.
+
+Every engine trains the same random-init HF Llama (same seed), with AdamW (lr 1e-3, weight decay
+0.1 on matrices, 0 on 1-D parameters), clipping the global gradient norm to 1.0, on the same
+global batches in the same order. Each is set up the way its documentation shows:
+
+* ``yashard``: ``yashard.shard`` with ``ShardConfig(param_dtype, reduce_dtype=fp32)``;
+* ``fsdp2``: ``fully_shard`` on every decoder layer, then on the root; bf16 through
+  ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``;
+* ``fsdp1``: ``FullyShardedDataParallel`` auto-wrapping every decoder layer,
+  ``use_orig_params=True``; bf16 through ``MixedPrecision(param_dtype=bf16, reduce_dtype=fp32)``;
+* ``ddp``: ``DistributedDataParallel``, fp32 weights and gradients; with bf16 the forward runs under
+  ``torch.autocast(bf16)``; accumulation micro-batches but the last run under ``no_sync``;
+* ``deepspeed``: ZeRO stage 3 through ``deepspeed.initialize`` with a client ``torch.optim.AdamW``
+  (``zero_allow_untested_optimizer``), ``gradient_clipping`` 1.0, bf16 through its ``bf16`` config
+  with ``communication_data_type`` fp32 (the others reduce in fp32 too), stage-3 defaults otherwise;
+  its own ``engine.backward`` and ``engine.step`` after every micro-batch;
+* ``yashard-noop`` / ``ddp-noop``: the same as ``yashard`` / ``ddp`` with a comm hook that does not
+  communicate gradients (``yashard.comm_hooks.noop_hook``; torch's ``ddp_comm_hooks.debugging_hooks.noop_hook``), to
+  measure how much of a step is exposed gradient communication. Their gradients are wrong.
+
+The sharded engines (DeepSpeed included) reduce gradients after every micro-batch (their default;
+it keeps gradients sharded); DDP reduces once per optimizer step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import importlib.util
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+import yashard
+
+LR, WEIGHT_DECAY, CLIP = 1e-3, 0.1, 1.0
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+ENGINES = ("yashard", "fsdp2", "ddp", "fsdp1", "deepspeed", "yashard-noop", "ddp-noop")
+
+# Llama shapes. "small": 3.95M parameters, seq 256; "wide": 67.1M parameters, seq 64 (with a batch
+# of one sequence per rank the step is dominated by moving the weights, not by activations).
+MODELS = {
+    "small": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=4, seq=256),
+    "wide": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=4, num_attention_heads=16,
+                 num_key_value_heads=8, seq=64),
+}
+COMMON = dict(vocab_size=2048, tie_word_embeddings=False)
+
+
+def model_shape(name: str, layers: int | None = None, hidden: int | None = None) -> dict:
+    """The Llama config keywords (plus ``seq``) of model ``name``, with the number of layers and the
+    hidden size overridden when given; the MLP width scales with the hidden size, the head count
+    stays, so ``hidden`` must be a multiple of ``2 * num_attention_heads`` (rotary needs an even
+    head dimension)."""
+    shape = dict(MODELS[name])
+    if layers is not None:
+        if layers < 1:
+            raise ValueError(f"--layers must be >= 1, got {layers}")
+        shape["num_hidden_layers"] = layers
+    if hidden is not None:
+        heads = shape["num_attention_heads"]
+        if hidden < 1 or hidden % (2 * heads):
+            raise ValueError(f"--hidden {hidden} must be a positive multiple of {2 * heads} "
+                             f"(model {name!r} has {heads} heads and rotary needs an even head dim)")
+        shape["intermediate_size"] = shape["intermediate_size"] * hidden // shape["hidden_size"]
+        shape["hidden_size"] = hidden
+    return shape
+
+
+def build_model(shape: dict, seed: int):
+    """A random-init HF Llama of ``shape`` (see :func:`model_shape`), identical on every call with
+    the same seed (built on the CPU, fp32, sdpa attention)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    shape = dict(shape)
+    seq = shape.pop("seq")
+    cfg = LlamaConfig(**COMMON, **shape, max_position_embeddings=seq)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg).float()
+
+
+def global_batch(step: int, size: int, seq: int, vocab: int) -> torch.Tensor:
+    """The global batch of training step ``step`` (same for every engine and every rank)."""
+    g = torch.Generator().manual_seed(10_000 + step)
+    return torch.randint(0, vocab, (size, seq), generator=g)
+
+
+def split_params(params) -> list[dict]:
+    """AdamW groups: weight decay on matrices, none on 1-D parameters (norm weights, biases)."""
+    params = list(params)
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": WEIGHT_DECAY},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+def deepspeed_missing() -> str | None:
+    """None when deepspeed can be imported here, else why not ("not installed")."""
+    return None if importlib.util.find_spec("deepspeed") is not None else "not installed"
+
+
+# ---------------------------------------------------------------------------------------- memory
+def use_returning_malloc() -> None:
+    """Make glibc serve large blocks with mmap and hand them back on free, so that RSS follows what
+    is actually live (otherwise freed tensors stay in the heap and blur every engine's increment)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+        libc.mallopt(M_MMAP_THRESHOLD, 64 * 1024)
+        libc.mallopt(M_TRIM_THRESHOLD, 128 * 1024)
+    except OSError:
+        pass
+
+
+def _status_kib(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"^{key}:\s+(\d+)", f.read(), re.M).group(1))
+
+
+class Memory:
+    """Current and peak memory of this process: RSS on CPU, allocated bytes on CUDA.
+
+    On CPU the peak is the larger of VmHWM (reset through /proc/self/clear_refs where the kernel
+    allows it) and VmRSS sampled at the points the training loop calls :meth:`sample` (after every
+    forward, backward and optimizer step)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.sampled = 0
+        self.hwm_resettable = False
+
+    def now(self) -> int:
+        """Memory in use after a garbage collection (bytes)."""
+        gc.collect()
+        return self.current()
+
+    def current(self) -> int:
+        """Memory in use, without collecting (cheap; bytes)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            return torch.cuda.memory_allocated()
+        return _status_kib("VmRSS") * 1024
+
+    def sample(self) -> None:
+        if not self.cuda:
+            self.sampled = max(self.sampled, _status_kib("VmRSS") * 1024)
+
+    def reset_peak(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            return
+        self.sampled = _status_kib("VmRSS") * 1024
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+            self.hwm_resettable = True
+        except OSError:
+            self.hwm_resettable = False
+
+    def peak(self) -> int:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated()
+        hwm = _status_kib("VmHWM") * 1024 if self.hwm_resettable else 0
+        return max(self.sampled, hwm)
+
+    def reserved_peak(self) -> int:
+        """CUDA only: the caching allocator's peak reserved bytes (absolute, all engines); 0 on CPU."""
+        return torch.cuda.max_memory_reserved() if self.cuda else 0
+
+
+# ---------------------------------------------------------------------------------------- engines
+@dataclass
+class Engine:
+    """One engine: ``micro(ids, last, sample)`` runs forward and backward of one micro-batch
+    (``last``: the last of the step; ``sample``: call after the forward to sample memory) and
+    returns its detached fp32 loss; ``finish()`` clips, steps the optimizer, zeroes the gradients
+    and returns the pre-clip global gradient norm."""
+
+    name: str
+    precision: str
+    model: torch.nn.Module
+    micro: Callable[[torch.Tensor, bool, Callable[[], None]], torch.Tensor]
+    finish: Callable[[], torch.Tensor]
+    notes: list[str] = field(default_factory=list)
+    step: int = 0                                            # optimizer steps taken (indexes the data)
+    times: list[list[float]] = field(default_factory=list)   # seconds, one list per repeat
+    end_mem: list[list[int]] = field(default_factory=list)   # memory at the end of each timed step
+    build_bytes: int = 0
+    build_peak_bytes: int = 0
+    steady_bytes: int = 0
+    transient_bytes: int = 0
+    first_loss: float = float("nan")
+    first_norm: float = float("nan")
+    comm: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)
+
+
+def _local_norm(t) -> torch.Tensor:
+    """A clip_grad_norm_ result as a plain tensor (FSDP2 returns a replicated DTensor)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _torch_engine(name, precision, model, opt, clip, accum, *, autocast=contextlib.nullcontext,
+                  no_sync=contextlib.nullcontext) -> Engine:
+    """An engine driven the plain-PyTorch way: loss / accum, backward, clip, step, zero_grad."""
+
+    def micro(ids, last, sample):
+        with contextlib.nullcontext() if last else no_sync():
+            with autocast():
+                out = model(input_ids=ids, labels=ids)
+            sample()
+            (out.loss / accum).backward()
+        return out.loss.detach().float()
+
+    def finish():
+        norm = clip()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return norm
+
+    return Engine(name, precision, model, micro, finish)
+
+
+def setup_yashard(args, device, shape, *, noop: bool = False) -> Engine:
+    cfg = yashard.ShardConfig(param_dtype=DTYPES[args.dtype], reduce_dtype=torch.float32)
+    model = yashard.shard(build_model(shape, args.seed), config=cfg)
+    if noop:
+        from yashard import comm_hooks
+
+        model.register_comm_hook(None, comm_hooks.noop_hook)
+    opt = torch.optim.AdamW(model.param_groups(weight_decay=WEIGHT_DECAY), lr=LR)
+    eng = _torch_engine("yashard-noop" if noop else "yashard", f"{args.dtype} compute, fp32 master + reduce",
+                        model, opt, lambda: model.clip_grad_norm_(CLIP), args.accum)
+    if noop:
+        eng.notes.append("noop_hook: gradients not communicated")
+    plan = model.memory_plan()
+    eng.extra["plan_bytes"], eng.extra["adamw_bytes"] = plan.total_bytes, plan.adamw_bytes
+    return eng
+
+
+def setup_fsdp2(args, device, shape) -> Engine:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    if args.dtype == "bf16":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    else:
+        mp = MixedPrecisionPolicy()
+    model = build_model(shape, args.seed).to(device)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    opt = torch.optim.AdamW(split_params(model.parameters()), lr=LR)
+    clip = lambda: _local_norm(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP))  # noqa: E731
+    return _torch_engine("fsdp2", f"{args.dtype} compute, fp32 master + reduce", model, opt, clip, args.accum)
+
+
+def setup_fsdp1(args, device, shape) -> Engine:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import MixedPrecision
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    model = build_model(shape, args.seed)
+    layer_cls = type(model.model.layers[0])
+    mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.dtype == "bf16" else None
+    model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({layer_cls}), mixed_precision=mp,
+                 device_id=device, use_orig_params=True)
+    opt = torch.optim.AdamW(split_params(model.parameters()), lr=LR)
+    return _torch_engine("fsdp1", f"{args.dtype} compute, fp32 master + reduce", model, opt,
+                         lambda: model.clip_grad_norm_(CLIP), args.accum)
+
+
+def setup_ddp(args, device, shape, *, noop: bool = False) -> Engine:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = build_model(shape, args.seed).to(device)
+    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if noop:
+        from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
+
+        model.register_comm_hook(None, noop_hook)
+    opt = torch.optim.AdamW(split_params(model.parameters()), lr=LR)
+    clip = lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)  # noqa: E731
+    if args.dtype == "bf16":
+        autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16)  # noqa: E731
+        precision = "fp32 weights, autocast bf16, fp32 reduce"
+    else:
+        autocast, precision = contextlib.nullcontext, "fp32"
+    eng = _torch_engine("ddp-noop" if noop else "ddp", precision, model, opt, clip, args.accum,
+                        autocast=autocast, no_sync=model.no_sync)
+    if noop:
+        eng.notes.append("noop_hook: gradients not communicated")
+    if args.accum > 1:
+        eng.notes.append("no_sync on all but the last micro-batch")
+    return eng
+
+
+def deepspeed_config(args, world: int) -> dict:
+    """The DeepSpeed config of the ``deepspeed`` engine (ZeRO-3, same batch, clip and precision)."""
+    cfg = {
+        "train_batch_size": args.micro_batch * args.accum * world,
+        "train_micro_batch_size_per_gpu": args.micro_batch,
+        "gradient_accumulation_steps": args.accum,
+        "gradient_clipping": CLIP,
+        "zero_optimization": {"stage": 3},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if args.dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+        cfg["communication_data_type"] = "fp32"
+    return cfg
+
+
+def setup_deepspeed(args, device, shape) -> Engine:
+    import logging
+
+    if device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    deepspeed.init_distributed(dist_backend=dist.get_backend())  # adopts the existing process group
+    model = build_model(shape, args.seed)
+    opt = torch.optim.AdamW(split_params(model.parameters()), lr=LR)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt,
+                                           config=deepspeed_config(args, dist.get_world_size()))
+
+    def micro(ids, last, sample):
+        out = engine(input_ids=ids, labels=ids)
+        sample()
+        engine.backward(out.loss)  # DeepSpeed divides by gradient_accumulation_steps itself
+        engine.step()              # a no-op but at the accumulation boundary
+        return out.loss.detach().float()
+
+    def finish():
+        return torch.tensor(float(engine.get_global_grad_norm()))
+
+    precision = ("bf16 params + compute, fp32 master + reduce" if args.dtype == "bf16" else "fp32")
+    eng = Engine("deepspeed", precision + f"; ZeRO-3 (deepspeed {deepspeed.__version__})", engine, micro, finish)
+    eng.notes.append("stage-3 defaults: params < 1e5 elements stay unpartitioned")
+    return eng
+
+
+SETUP = {
+    "yashard": setup_yashard,
+    "fsdp2": setup_fsdp2,
+    "fsdp1": setup_fsdp1,
+    "ddp": setup_ddp,
+    "deepspeed": setup_deepspeed,
+    "yashard-noop": lambda args, device, shape: setup_yashard(args, device, shape, noop=True),
+    "ddp-noop": lambda args, device, shape: setup_ddp(args, device, shape, noop=True),
+}
+
+
+def train_step(eng: Engine, args, device, shape: dict, vocab: int, mem: Memory) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step of ``eng``; returns (this rank's mean loss, pre-clip global grad norm)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batch = global_batch(eng.step, args.micro_batch * args.accum * world, shape["seq"], vocab)
+    local = batch.chunk(world)[rank].to(device)
+    loss = torch.zeros((), device=device)
+    for i, ids in enumerate(local.chunk(args.accum)):
+        loss += eng.micro(ids, i == args.accum - 1, mem.sample) / args.accum
+        mem.sample()
+    norm = eng.finish()
+    mem.sample()
+    eng.step += 1
+    return loss, norm

@@ -1,0 +1,218 @@
+"""The benchmark harness's pure parts (recipes/bench_*.py) and its collective counter.
+
+The benchmark itself is a script that prints tables (recipes/benchmark.py); nothing here times
+anything. What is tested: the counter sees every engine's collectives with the right sizes (DDP's
+C++ reducer included), the byte conventions, the least-squares fits, the ZeRO++ volume accounting,
+the tables and the command-line errors.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "recipes"))
+
+import bench_comm as bc  # noqa: E402
+import bench_engines as be  # noqa: E402
+import bench_report as br  # noqa: E402
+import benchmark  # noqa: E402
+from harness import run_distributed  # noqa: E402
+
+
+# ---------------------------------------------------------------------------------------- counting
+def test_counter_sees_python_cpp_and_functional_collectives_with_their_sizes():
+    world = 2
+    calls = run_distributed(_counted, world)[0]
+    kinds = [(c[0], c[2], c[3]) for c in calls]
+    assert kinds == [
+        ("all_reduce", 400, 2),
+        ("all_gather", 240 * world, 2),
+        ("reduce_scatter", 100 * world, 2),
+        ("all_to_all", 32 * world, 2),
+        ("broadcast", 14, 2),
+        ("all_reduce", 440, 2),    # DDP's reducer: one bucket, weight + bias, issued from C++
+        ("all_reduce", 40, 2),     # functional collective
+    ], calls
+
+
+def _counted(rank, world):
+    import bench_workers
+
+    return bench_workers.count_known_collectives(rank, world)
+
+
+@pytest.mark.parametrize("op, kind", [
+    ("c10d::allreduce_", "all_reduce"), ("c10d::_allgather_base_", "all_gather"),
+    ("c10d::allgather_into_tensor_coalesced_", "all_gather"), ("c10d::reduce_scatter_tensor_coalesced_", "reduce_scatter"),
+    ("_c10d_functional::reduce_scatter_tensor", "reduce_scatter"), ("c10d::alltoall_base_", "all_to_all"),
+    ("c10d::broadcast_", "broadcast"), ("c10d::barrier", "barrier"), ("_c10d_functional::wait_tensor", None),
+    ("aten::mm", None),
+])
+def test_collective_kind(op, kind):
+    assert bc.collective_kind(op) == kind
+
+
+def test_payload_is_the_full_tensor():
+    # all-gather: the output; reduce-scatter and all-to-all: the input; all-reduce: the tensor(s)
+    assert bc.payload_bytes("all_gather", {"output_tensor": 800, "input_tensor": 400}, 2) == 800
+    assert bc.payload_bytes("all_gather", {"output_tensors": 800, "input_tensors": 400}, 2) == 800
+    assert bc.payload_bytes("all_gather", {"input": 400}, 4) == 1600   # functional: no output argument
+    assert bc.payload_bytes("reduce_scatter", {"output_tensor": 100, "input_tensor": 400}, 4) == 400
+    assert bc.payload_bytes("all_to_all", {"output": 64, "input": 64}, 2) == 64
+    assert bc.payload_bytes("all_reduce", {"tensors": 44}, 2) == 44
+    assert bc.payload_bytes("barrier", {"tensor": 4}, 2) == 0
+
+
+def test_ring_bytes_and_summary():
+    assert bc.ring_bytes_sent("all_gather", 1000, 4) == 750
+    assert bc.ring_bytes_sent("reduce_scatter", 1000, 2) == 500
+    assert bc.ring_bytes_sent("all_reduce", 1000, 4) == 1500
+    assert bc.ring_bytes_sent("all_reduce", 1000, 1) == 0
+    assert bc.ring_bytes_sent("p2p", 1000, 2) == 1000
+    calls = [bc.Call("all_gather", "x", 1000, 2), bc.Call("reduce_scatter", "x", 2000, 2),
+             bc.Call("barrier", "x", 0, 2), bc.Call("all_gather", "x", 1000, 2)]
+    s = bc.summarize(calls, 2)
+    assert s == {"count": 1.5, "payload": 2000.0, "ring_sent": 1000.0,
+                 "by_kind": {"all_gather": [1.0, 1000.0], "reduce_scatter": [0.5, 1000.0]}}
+    log = [("all_gather", "layer_0", 250, 1000, "world"), ("reduce_scatter", "layer_0", 500, 2000, "world"),
+           ("all_gather", "layer_1", 250, 1000, "world")]
+    assert bc.summarize_log(log, 2, {"world": 2}) == {**s, "count": 1.5}
+
+
+# ---------------------------------------------------------------------------------------- statistics
+def test_linear_fit_recovers_a_line_and_scores_noise():
+    a, b, r2 = br.linear_fit([2, 4, 8], [3 + 0.5 * x for x in (2, 4, 8)])
+    assert (round(a, 12), round(b, 12), round(r2, 12)) == (3.0, 0.5, 1.0)
+    a, b, r2 = br.linear_fit([1, 2, 3, 4], [1.0, 3.0, 2.0, 4.0])
+    assert b == pytest.approx(0.8) and a == pytest.approx(0.5) and r2 == pytest.approx(0.64)
+    a, b, r2 = br.linear_fit([1, 2], [5.0, 5.0])
+    assert (a, b, r2) == (5.0, 0.0, 1.0)
+    a, b, r2 = br.linear_fit([3, 3], [1.0, 2.0])
+    assert a == 1.5 and math.isnan(b) and math.isnan(r2)
+    with pytest.raises(ValueError, match="as many xs as ys"):
+        br.linear_fit([1, 2], [1.0])
+
+
+def test_medians_spread_and_headroom_share():
+    times = [[1.0, 3.0, 2.0], [2.2, 2.2, 2.2]]
+    assert br.median_time(times) == 2.2
+    assert br.repeat_spread(times) == pytest.approx(0.2 / 2.2)
+    assert br.exposed_share(2.0, 1.5) == 0.25
+
+
+# ---------------------------------------------------------------------------------------- ZeRO++ accounting
+def test_volume_terms_split_by_phase_op_and_group():
+    recs = [("fwd", "all_gather", "layer_0", 0, 100, "world"), ("fwd", "all_gather", "embed", 0, 50, "world"),
+            ("bwd", "all_gather", "layer_0", 0, 100, "secondary"), ("bwd", "reduce_scatter", "layer_0", 0, 8, "shard"),
+            ("bwd", "all_to_all", "layer_0", 0, 25, "node"), ("bwd", "all_to_all", "layer_0", 0, 13, "cross_node"),
+            ("opt", "all_reduce", "small", 0, 4, "world")]
+    t = br.volume_terms(recs)
+    assert t == {"fwd_gather": {"world": 100}, "bwd_gather": {"secondary": 100},
+                 "gradient": {"shard": 8, "node": 25, "cross_node": 13}}
+    assert br.cross_node(t["gradient"]) == 21 and br.cross_node(t["bwd_gather"]) == 0
+    assert sum(br.PAPER_TERMS["plain"]) == 3 and sum(br.PAPER_TERMS["qwZ+hpZ+qgZ"]) == 0.75
+
+
+def test_render_volume_reports_units_of_m():
+    rows = [dict(name="plain", terms={"fwd_gather": {"world": 200}, "bwd_gather": {"world": 100},
+                                      "gradient": {"world": 200}}, other_bytes=0, count=3)]
+    text = br.render_volume(rows, dict(model="small", layers=4, world=4, ranks_per_node=2, M=200))
+    assert "| plain | 1.000 (world) | 0.500 (world) | 1.000 (world) | 2.500 | 3.00 (1 + 1 + 1) |" in text
+
+
+# ---------------------------------------------------------------------------------------- tables
+def _run(engines, skipped=None):
+    meta = dict(model="small", layers=4, hidden=256, dtype="fp32", micro_batch=4, accum=1, world=2, backend="gloo",
+                device="cpu", n_params=3_950_000, seq=256, global_batch=8, tokens=2048, lr=1e-3, wd=0.1, clip=1.0,
+                warmup=1, steps=2, repeats=1, torch="x", threads=1, ref_loss=7.0, ref_norm=2.0, mem_kind="RSS")
+    return dict(meta=meta, engines=engines, skipped=skipped or {}, footer=["a note"])
+
+
+def _engine(name, t, **kw):
+    comm = dict(count=3, payload=2**20, ring_sent=2**19, by_kind={"all_reduce": [3, 2**20]})
+    return dict(dict(name=name, precision="fp32", notes=[], times=[[t, t]], build_peak=2**21, after_build=2**20,
+                     steady=2**22, train_peak=2**23, end_drift=0, first_loss=7.0, first_norm=2.0, comm=comm), **kw)
+
+
+def test_render_run_table_headroom_and_skipped_engines():
+    text = br.render_run(_run([_engine("yashard", 1.0), _engine("ddp", 0.5), _engine("yashard-noop", 0.75)],
+                              {"deepspeed": "not installed"}))
+    assert "| yashard | fp32 | 1000.0 | 0% | 2.00x | 2,048 | 2.0 | 1.0 | 8.0 | 0.0 | +0.00e+00 | 0.0e+00 |" in text
+    assert "| deepspeed | not installed |" in text
+    assert "| yashard | 1000.0 | 750.0 | 25% |" in text and "| ddp | 500.0" not in text  # no ddp-noop ran
+    assert "| ddp | 3 | 1.00 | 0.50 | all_reduce 3 x 1.00 |" in text
+    assert "* a note" in text
+
+
+def test_render_matrix_and_chart(tmp_path):
+    runs = [_run([_engine("yashard", 1.0), _engine("ddp", 0.5)]), _run([_engine("ddp", 0.25)])]
+    text = br.render_matrix(runs)
+    assert "| small fp32 4x1 | 1000 (2.00x) | 500 (1.00x) |" in text and "| small fp32 4x1 | - | 250 (1.00x) |" in text
+    br.plot_matrix(runs, str(tmp_path / "m.png"))
+    assert (tmp_path / "m.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_scaling_fits_recover_the_generating_coefficients():
+    runs = []
+    for w in (1, 2, 4):
+        r = _run([_engine("yashard", 0.1 * w, steady=(10 + 40 / w) * br.MiB, train_peak=(20 + 40 / w) * br.MiB)])
+        r["meta"]["world"] = w
+        runs.append(r)
+    text = br.render_scaling(br.scaling_points(runs, "world"))
+    assert "| world | yashard | steady MiB | a + b / world | 10 | 40 | 1 |" in text
+    assert "| world | yashard | training peak MiB | a + b / world | 20 | 40 | 1 |" in text
+
+
+# ---------------------------------------------------------------------------------------- setup
+def test_model_shapes_and_sizes():
+    def params(shape):
+        with torch.device("meta"):
+            return sum(p.numel() for p in be.build_model(shape, 0).parameters())
+
+    assert params(be.model_shape("small")) == pytest.approx(3.95e6, rel=0.01)
+    assert params(be.model_shape("wide")) == pytest.approx(67.1e6, rel=0.01)
+    s = be.model_shape("small", layers=8, hidden=512)
+    assert (s["num_hidden_layers"], s["hidden_size"], s["intermediate_size"]) == (8, 512, 1376)
+    with pytest.raises(ValueError, match=r"--hidden 100 must be a positive multiple of 16"):
+        be.model_shape("small", hidden=100)
+
+
+def test_deepspeed_config_matches_the_other_engines():
+    class A:
+        micro_batch, accum, dtype = 2, 2, "bf16"
+
+    cfg = be.deepspeed_config(A, 2)
+    assert cfg["train_batch_size"] == 8 and cfg["gradient_accumulation_steps"] == 2
+    assert cfg["gradient_clipping"] == be.CLIP and cfg["zero_optimization"]["stage"] == 3
+    assert cfg["bf16"] == {"enabled": True} and cfg["communication_data_type"] == "fp32"
+    A.dtype = "fp32"
+    assert "bf16" not in be.deepspeed_config(A, 2)
+
+
+def test_deepspeed_missing_is_reported_not_raised(monkeypatch):
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert be.deepspeed_missing() == "not installed"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--engines", "ddp,megatron"], r"--engines: unknown \['megatron'\]"),
+    (["--warmup", "0"], r"--warmup must be >= 1"),
+    (["--accum", "0"], r"must be >= 1"),
+    (["--sweep", "all", "--zeropp"], r"--sweep \(the driver\) and --zeropp \(a worker\) exclude each other"),
+    (["--hidden", "100"], r"--hidden 100 must be a positive multiple of 16"),
+    (["--scaling-worlds", "1,x"], r"expected a comma list of integers"),
+    (["--scaling-engines", "yashard,zero9"], r"--scaling-engines: unknown \['zero9'\]"),
+    (["--dtypes", "fp32,fp8"], r"--dtypes: unknown \['fp8'\]"),
+])
+def test_cli_errors(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        benchmark.parse_args(argv)
+    assert __import__("re").search(message, capsys.readouterr().err)

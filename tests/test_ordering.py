@@ -31,13 +31,13 @@ def _record_run(rank, world, ckpt):
         events.append(("gate", self.name))
         return orig_gate(self)
 
-    def ag(self, out, shard, unit):
+    def ag(self, out, shard, unit, *args, **kwargs):
         events.append(("AG", unit))
-        return orig_ag(self, out, shard, unit)
+        return orig_ag(self, out, shard, unit, *args, **kwargs)
 
-    def rs(self, out, full, unit):
+    def rs(self, out, full, unit, *args, **kwargs):
         events.append(("RS", unit))
-        return orig_rs(self, out, full, unit)
+        return orig_rs(self, out, full, unit, *args, **kwargs)
 
     Unit.write_grad, Unit.on_grads_complete = write_grad, gate
     Comm.all_gather, Comm.reduce_scatter = ag, rs

@@ -18,7 +18,7 @@ from __future__ import annotations
 import datetime
 import zlib
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -38,8 +38,6 @@ def wait_work(work, what: str, timeout: float | None):
     """Wait for ``work`` (a c10d work handle or a future), at most ``timeout`` seconds where the
     handle supports it; any failure becomes a :class:`CollectiveError` naming ``what`` (op, unit,
     phase, rank). Returns what ``wait()`` returned."""
-    from .comm_hooks import WorkFuture
-
     try:
         if timeout is not None and isinstance(work, dist.Work):
             return work.wait(timeout=datetime.timedelta(seconds=timeout))
@@ -56,6 +54,62 @@ def wait_work(work, what: str, timeout: float | None):
             "on the other ranks; ShardConfig(debug_collectives=True) finds the first divergence, "
             "ShardConfig(collective_timeout=...) bounds the wait"
         ) from e
+
+
+class WorkFuture:
+    """A future of the value ``value_fn()`` computes once the c10d ``work`` handle finished.
+
+    gloo's collectives have no ``get_future``, so :meth:`Comm.reduce_scatter` and the built-in comm
+    hooks return this instead of a ``torch.futures.Future``; it has the part of that interface the
+    runtime uses: ``wait()``
+    (waits for the work, computes and returns the value, once), ``value()``, ``done()`` and
+    ``then(callback)`` (callback receives this future, as torch's does; it runs inside ``wait()``,
+    on the stream that waits: the communication stream).
+    """
+
+    __slots__ = ("_work", "_value_fn", "_value", "_done")
+
+    def __init__(self, work, value_fn: Callable[[], Any]):
+        self._work, self._value_fn, self._value, self._done = work, value_fn, None, False
+
+    def wait(self, timeout: float | None = None):
+        """Wait (at most ``timeout`` seconds where the work supports it), then compute the value."""
+        if not self._done:
+            if timeout is not None and isinstance(self._work, dist.Work):
+                self._work.wait(timeout=datetime.timedelta(seconds=timeout))
+            elif timeout is not None and isinstance(self._work, (WorkFuture, _Works)):
+                self._work.wait(timeout=timeout)
+            else:
+                self._work.wait()
+            self._value = self._value_fn()
+            self._done = True
+            self._work = self._value_fn = None
+        return self._value
+
+    def value(self):
+        if not self._done:
+            raise RuntimeError("WorkFuture.value() before wait()")
+        return self._value
+
+    def done(self) -> bool:
+        return self._done
+
+    def then(self, callback: Callable[["WorkFuture"], Any]) -> "WorkFuture":
+        return WorkFuture(self, lambda: callback(self))
+
+
+class _Works:
+    """Several work handles waited as one (a batch of point-to-point sends and receives)."""
+
+    __slots__ = ("works",)
+
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self, timeout: float | None = None) -> bool:
+        for w in self.works:
+            w.wait(timeout=datetime.timedelta(seconds=timeout)) if timeout is not None else w.wait()
+        return True
 
 
 class Record(NamedTuple):
@@ -117,6 +171,7 @@ class Comm:
         self.backend = str(dist.get_backend(self.group))
         self.log = CollectiveLog()
         self.timeout = timeout  # seconds a wait may take before it raises (None: the group's own timeout)
+        self._gloo: dict[int, bool] = {}
         self.topology = topo = Topology(self.world, self.rank, shard_group_size or self.world, secondary_group_size)
         # Units are laid out and sharded over the shard group (this rank is ``shard_rank`` of
         # ``shard_world``); ``replica_world`` shard groups hold identical copies (hybrid sharding).
@@ -183,12 +238,43 @@ class Comm:
         self.log.add("all_gather", unit, out, self.name(g))
         return _all_gather(out, shard, group=g, async_op=True)
 
-    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, unit: str, group: dist.ProcessGroup | None = None):
-        """Async: SUM ``full`` over ``group`` (default: the shard group) and leave this rank's chunk
-        in ``out``. Logged with ``full``'s size."""
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, unit: str, group: dist.ProcessGroup | None = None,
+                       *, scratch: torch.Tensor | None = None) -> WorkFuture:
+        """Async: SUM ``full`` over ``group`` (default: the shard group) into this rank's chunk
+        ``out``; returns a :class:`WorkFuture` of ``out``. Logged with ``full``'s size.
+
+        gloo runs its reduce-scatter as a full all-reduce (twice the bytes, and slow), so on gloo
+        two ranks exchange their halves point to point (received straight into ``out``, then the
+        own half is added), and more ranks all-to-all into ``scratch`` (``full``'s size, see
+        :meth:`reduce_scatter_needs_scratch`) and sum the chunks in rank order. Sums are exact
+        SUMs in ``full``'s dtype; every rank adds in the same order (bitwise-reproducible runs).
+        ``full`` must not change until the future is waited."""
         g = self.shard_group if group is None else group
         self.log.add("reduce_scatter", unit, full, self.name(g))
-        return _reduce_scatter(out, full, op=dist.ReduceOp.SUM, group=g, async_op=True)
+        if self._is_gloo(g):
+            rank, size = dist.get_rank(g), dist.get_world_size(g)
+            c = out.numel()
+            if size == 2:
+                peer = 1 - rank
+                dst = dist.get_global_rank(g, peer)
+                works = dist.batch_isend_irecv([dist.P2POp(dist.isend, full.narrow(0, peer * c, c), dst, g),
+                                                dist.P2POp(dist.irecv, out, dst, g)])
+                return WorkFuture(_Works(works), lambda: out.add_(full.narrow(0, rank * c, c)))
+            if scratch is not None and size > 2:
+                work = dist.all_to_all_single(scratch, full, group=g, async_op=True)
+                return WorkFuture(work, lambda: torch.sum(scratch.view(size, c), dim=0, out=out))
+        return WorkFuture(_reduce_scatter(out, full, op=dist.ReduceOp.SUM, group=g, async_op=True), lambda: out)
+
+    def reduce_scatter_needs_scratch(self, group: dist.ProcessGroup | None = None) -> bool:
+        """Whether :meth:`reduce_scatter` over ``group`` wants a ``scratch`` buffer (gloo, > 2 ranks)."""
+        g = self.shard_group if group is None else group
+        return self._is_gloo(g) and dist.get_world_size(g) > 2
+
+    def _is_gloo(self, group: dist.ProcessGroup) -> bool:
+        key = id(group)
+        if key not in self._gloo:
+            self._gloo[key] = "gloo" in str(dist.get_backend(group))
+        return self._gloo[key]
 
     def all_reduce(self, t: torch.Tensor, unit: str, group: dist.ProcessGroup | None = None, *,
                    op: str = "sum", async_op: bool = False):

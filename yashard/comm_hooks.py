@@ -29,12 +29,12 @@ communication).
 
 from __future__ import annotations
 
-import datetime
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
-import torch.distributed as dist
+
+from .collectives import WorkFuture
 
 if TYPE_CHECKING:  # pragma: no cover
     from .collectives import Comm
@@ -49,7 +49,10 @@ class GradBucket:
     Attributes:
         index: position of this bucket in this backward's reduction order (0, 1, ...).
         name: the unit (``"layer_3"``, ``"embed"``, ``"lm_head"``, ``"small"`` for the norm group).
-        last: True for the last bucket of the backward (the norm group, or the last unit reduced).
+        last: True for the norm group's bucket, the last of every backward.
+        slot: the gradient buffer the bucket lives in (``"layer_even"``, ``"layer_odd"``, ``"outer"``,
+            ``"small"``); the reduction of a bucket always finishes before the next bucket of the
+            same slot is written, so per-slot scratch is never shared by two reductions in flight.
         comm: the :class:`~yashard.collectives.Comm` (groups and logged collectives); the shard
             group is ``comm.shard_group``.
     """
@@ -58,6 +61,7 @@ class GradBucket:
     name: str
     last: bool
     comm: "Comm"
+    slot: str
     _buffer: torch.Tensor = field(repr=False)
     _output: torch.Tensor = field(repr=False)
     _workspace: Callable[[str, int, torch.dtype], torch.Tensor] = field(repr=False)
@@ -85,51 +89,6 @@ class GradBucket:
         return self.last
 
 
-class WorkFuture:
-    """A future of the value ``value_fn()`` computes once the c10d ``work`` handle finished.
-
-    gloo's reduce-scatter has no ``get_future``, so the built-in hooks return this instead of a
-    ``torch.futures.Future``; it has the part of that interface the runtime uses: ``wait()``
-    (waits for the work, computes and returns the value, once), ``value()``, ``done()`` and
-    ``then(callback)`` (callback receives this future, as torch's does; it runs inside ``wait()``,
-    on the stream that waits: the communication stream).
-    """
-
-    __slots__ = ("_work", "_value_fn", "_value", "_done")
-
-    def __init__(self, work, value_fn: Callable[[], Any]):
-        self._work, self._value_fn, self._value, self._done = work, value_fn, None, False
-
-    def wait(self, timeout: float | None = None):
-        """Wait (at most ``timeout`` seconds where the work supports it), then compute the value."""
-        if not self._done:
-            if timeout is not None and isinstance(self._work, (dist.Work, WorkFuture)):
-                self._work.wait(timeout=datetime.timedelta(seconds=timeout) if isinstance(self._work, dist.Work)
-                                else timeout)
-            else:
-                self._work.wait()
-            self._value = self._value_fn()
-            self._done = True
-            self._work = self._value_fn = None
-        return self._value
-
-    def value(self):
-        if not self._done:
-            raise RuntimeError("WorkFuture.value() before wait()")
-        return self._value
-
-    def done(self) -> bool:
-        return self._done
-
-    def then(self, callback: Callable[["WorkFuture"], Any]) -> "WorkFuture":
-        return WorkFuture(self, lambda: callback(self))
-
-
-def _future_of(work, value: torch.Tensor) -> WorkFuture:
-    """A future of ``value`` that completes with ``work``."""
-    return WorkFuture(work, lambda: value)
-
-
 def _done(value: torch.Tensor) -> torch.futures.Future:
     fut = torch.futures.Future()
     fut.set_result(value)
@@ -138,9 +97,16 @@ def _done(value: torch.Tensor) -> torch.futures.Future:
 
 def reduce_scatter_hook(state: Any, bucket: GradBucket) -> WorkFuture:
     """Default: SUM reduce-scatter over the shard group into ``bucket.output()`` (exact)."""
-    out = bucket.output()
-    work = bucket.comm.reduce_scatter(out, bucket.buffer(), bucket.name)
-    return _future_of(work, out)
+    return bucket.comm.reduce_scatter(bucket.output(), bucket.buffer(), bucket.name,
+                                      scratch=_scratch(bucket, bucket.buffer().dtype))
+
+
+def _scratch(bucket: GradBucket, dtype: torch.dtype) -> torch.Tensor | None:
+    """The receive buffer ``Comm.reduce_scatter`` needs on this backend (gloo, > 2 ranks), per
+    gradient buffer: two reductions of one buffer are never in flight together (rule R4)."""
+    if not bucket.comm.reduce_scatter_needs_scratch():
+        return None
+    return bucket.workspace(f"reduce_scatter.{bucket.slot}", bucket.buffer().numel(), dtype)
 
 
 def noop_hook(state: Any, bucket: GradBucket) -> torch.futures.Future:
@@ -157,16 +123,11 @@ def _compress_hook(dtype: torch.dtype):
         if buf.dtype == dtype:
             return reduce_scatter_hook(state, bucket)
         tag = str(dtype).replace("torch.", "")
-        low = bucket.workspace(f"{tag}_compress.in", buf.numel(), dtype)
-        low_out = bucket.workspace(f"{tag}_compress.out", out.numel(), dtype)
+        low = bucket.workspace(f"{tag}_compress.in.{bucket.slot}", buf.numel(), dtype)  # per slot: two
+        low_out = bucket.workspace(f"{tag}_compress.out.{bucket.slot}", out.numel(), dtype)  # may be in flight
         low.copy_(buf)
-        work = bucket.comm.reduce_scatter(low_out, low, bucket.name)
-
-        def widen():
-            out.copy_(low_out)
-            return out
-
-        return WorkFuture(work, widen)
+        reduced = bucket.comm.reduce_scatter(low_out, low, bucket.name, scratch=_scratch(bucket, dtype))
+        return reduced.then(lambda f: out.copy_(f.value()))
 
     hook.__name__ = f"{str(dtype).replace('torch.', '')}_compress_hook"
     hook.__doc__ = (f"Reduce-scatter in {dtype} (half the bytes of fp32), result widened into "

@@ -36,6 +36,10 @@ from .zeropp import qwz_all_gather, qwz_workspace_nbytes
 
 logger = logging.getLogger("yashard")
 
+# Every parameter starts at a multiple of this many elements in its unit's flat buffer (64 bytes
+# in fp32): the views the layers compute with are as aligned as freshly allocated tensors.
+PARAM_ALIGN = 16
+
 
 class OrderError(RuntimeError):
     """A unit ran out of the order the fixed buffers require."""
@@ -166,7 +170,8 @@ class Runtime:
         cfg = self.config
         w = self.world
         layouts = {
-            key: build_layout([(fqns[0], p.shape) for p, _, fqns in members], w, shard_align=cfg.shard_align)
+            key: build_layout([(fqns[0], p.shape) for p, _, fqns in members], w, param_align=PARAM_ALIGN,
+                              shard_align=cfg.shard_align)
             for key, members in groups.items()
         }
         layer_keys = [k for k in groups if k.startswith("layer_")]
@@ -183,6 +188,9 @@ class Runtime:
             for name, numel in slot_sizes.items()
             if numel > 0
         }
+        if self.comm.reduce_scatter_needs_scratch():  # the default hook's receive buffers (gloo, > 2 ranks)
+            for slot in self.slots.values():
+                self._workspace(f"reduce_scatter.{slot.name}", slot.numel, gdt)
         if cfg.quantized_weights:  # qwZ: codes + scales of every rank's shard, gathered in one collective
             for slot in self.slots.values():
                 if slot.name != "small":
@@ -520,7 +528,7 @@ class Runtime:
             slot.release = self.streams.record(compute)  # weights no longer read (R1 for re-gathers)
         ready = self.streams.record(compute)
         n = unit.layout.shard_numel
-        bucket = GradBucket(self._bucket_index, unit.name, unit is self.small, self.comm,
+        bucket = GradBucket(self._bucket_index, unit.name, unit is self.small, self.comm, slot.name,
                             slot.grads.narrow(0, 0, unit.layout.padded), slot.reduced.narrow(0, 0, n),
                             self._workspace)
         self._bucket_index += 1
@@ -609,6 +617,7 @@ class Runtime:
                 "were reduced by the default hook)"
             )
         self.comm_hook, self.comm_hook_state = hook, state
+        self._workspaces.clear()  # the default hook's buffers; the new hook asks for its own
 
     # ------------------------------------------------------------------ checks before each step
     @torch.no_grad()

@@ -124,3 +124,29 @@ def lm_head_too_early(rank, world):
     except yashard.OrderError as e:
         return str(e)
     return "no error"
+
+
+def prefetch_after_step(rank, world):
+    """The step post-hook gathers the next forward's first units; masters changed in between
+    (here: halved by hand) are noticed and regathered."""
+    from transformers import AutoModelForCausalLM
+
+    from models import tiny_config
+
+    sm, opt = _setup()
+    ids = batches(3, 2 * world, 8, 96)[2].chunk(world)[rank]
+    log = sm.collective_log()
+    log.enabled = True
+    _step(sm, opt, rank, world, 0)
+    steps_tail = [(r.op, r.unit) for r in log.records[-2:]]
+    with torch.no_grad():
+        for u in sm.runtime.units:
+            u.master.mul_(0.5)
+    loss = sm(input_ids=ids, labels=ids).loss.item()
+    full = sm.full_state_dict()
+    ref = AutoModelForCausalLM.from_config(tiny_config(num_hidden_layers=4))
+    ref.load_state_dict(full, strict=False)
+    ref.tie_weights()
+    with torch.no_grad():
+        ref_loss = ref(input_ids=ids, labels=ids).loss.item()
+    return dict(tail=steps_tail, loss=loss, ref=ref_loss)

@@ -10,7 +10,7 @@ import pytest
 
 from harness import run_distributed, run_until_exit
 from reliability_workers import (die_or_stall, guard_run, lm_head_too_early, nonfinite,
-                                 nonfinite_skip_then_train, optimizer_before_shard)
+                                 nonfinite_skip_then_train, optimizer_before_shard, prefetch_after_step)
 
 
 @pytest.mark.parametrize("where", ["forward", "grad"])
@@ -40,7 +40,8 @@ def test_collective_order_guard():
     assert [r["losses"] for r in plain] == [r["losses"] for r in guarded]  # the guard changes nothing
     results = run_distributed(guard_run, 2, True, True)
     for res in results:
-        assert re.search(r"ranks issued different collectives since the last optimizer step: collective #1 was "
+        # #1 and #2: the norm group and embedding gathers issued right after the last step
+        assert re.search(r"ranks issued different collectives since the last optimizer step: collective #3 was "
                          r"all_gather of layer_1 \(\d+ elements, \d+ bytes, world group\) on rank 0 but all_gather of "
                          r"layer_2 .* on rank 1", res["error"]), res["error"]
 
@@ -71,3 +72,9 @@ def test_optimizer_built_before_shard_is_refused():
 def test_lm_head_before_every_layer_ran():
     msg = run_distributed(lm_head_too_early, 1)[0]
     assert msg.startswith("lm_head ran after 3 of the 4 decoder layers (model.layers.3 was expected next)"), msg
+
+
+def test_gathers_issued_after_the_step_are_redone_when_the_masters_change():
+    for res in run_distributed(prefetch_after_step, 2):
+        assert res["tail"] == [("all_gather", "small"), ("all_gather", "embed")]  # issued by opt.step()
+        assert abs(res["loss"] - res["ref"]) < 1e-5 * abs(res["ref"]), res

@@ -9,6 +9,9 @@ parameters of the optimizer being stepped:
   runs: non-finite gradients or forward outputs (``ShardConfig.on_nonfinite``) and, with
   ``ShardConfig.debug_collectives``, the comparison of every rank's collective sequence.
 
+A global step post-hook lets each such runtime start the next forward's first gathers right after
+the step (:meth:`Runtime.after_optimizer_step`).
+
 Optimizers that hold no yashard parameter pay one set lookup per parameter.
 """
 
@@ -17,9 +20,9 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-_handle = None
+_handles: list = []
 
 
 class _ByIdentity:
@@ -52,20 +55,22 @@ class CollectiveOrderError(RuntimeError):
 
 def track(runtime, removed: dict[torch.nn.Parameter, str]) -> None:
     """Remember ``runtime``'s masters and the parameters it took from the model (name by param)."""
-    global _handle
     for p, name in removed.items():
         _removed[p] = name
     for u in runtime.units:
         _owners[u.master] = runtime
-    if _handle is None:
-        _handle = register_optimizer_step_pre_hook(_before_step)
+    if not _handles:
+        _handles.append(register_optimizer_step_pre_hook(_before_step))
+        _handles.append(register_optimizer_step_post_hook(_after_step))
 
 
-def _before_step(optimizer, args, kwargs):
+def _runtimes(optimizer, check: bool) -> list:
+    """The yashard runtimes whose master shards ``optimizer`` holds (and, with ``check``, refuse
+    parameters that yashard.shard removed from a model)."""
     runtimes = []
     for group in optimizer.param_groups:
         for p in group["params"]:
-            name = _removed.get(p)
+            name = _removed.get(p) if check else None
             if name is not None:
                 raise RuntimeError(
                     f"{type(optimizer).__name__} holds {name}, a parameter yashard.shard removed from the model "
@@ -75,6 +80,15 @@ def _before_step(optimizer, args, kwargs):
             rt = _owners.get(p)
             if rt is not None and rt not in runtimes:
                 runtimes.append(rt)
-    for rt in runtimes:
+    return runtimes
+
+
+def _before_step(optimizer, args, kwargs):
+    for rt in _runtimes(optimizer, check=True):
         rt.step_checks()
     return None
+
+
+def _after_step(optimizer, args, kwargs):
+    for rt in _runtimes(optimizer, check=False):
+        rt.after_optimizer_step()

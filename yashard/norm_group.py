@@ -29,9 +29,10 @@ class NormGroup:
         self._ready = False
 
     def begin_forward(self, grad_enabled: bool) -> None:
-        """Issue the gather and install the views (data lands before the first unit computes)."""
+        """Issue the gather (unless one for these weights is in flight) and install the views
+        (data lands before the first unit computes)."""
         rt = self.unit.rt
-        rt.gather(self.unit)
+        rt._prefetch(self.unit)
         self._ready = False
         self.unit.install_views(self.unit.token if grad_enabled else None)
 

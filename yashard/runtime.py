@@ -71,6 +71,7 @@ class Runtime:
         self._workspaces: dict[str, torch.Tensor] = {}   # comm hooks' persistent scratch buffers
         self._bucket_index = 0
         self._cast_versions: tuple | None = None   # master versions the param_dtype shards were cast at
+        self._early_versions: tuple | None = None  # master versions of the gathers issued after a step
         self._fwd_cursor = 0
         self._bwd_last_layer: int | None = None
         self._hooks = []
@@ -366,7 +367,10 @@ class Runtime:
 
     # ------------------------------------------------------------------ forward
     def _root_pre_forward(self, module, args):
-        """Start of a forward: refresh gather sources, gather the norm group and the first unit."""
+        """Start of a forward: refresh gather sources, gather the norm group and the first unit
+        (unless :meth:`after_optimizer_step` already did, for these very masters)."""
+        early = self._early_versions
+        self._early_versions = None
         self._drain()
         self.streams.capture_compute()
         grad = torch.is_grad_enabled()
@@ -374,25 +378,48 @@ class Runtime:
             self.grad_fwd_id += 1
         self._fwd_cursor = 0
         self._bwd_last_layer = None
+        versions = self._refresh_sources()
         for u in self.units:
-            u.gathered = None      # masters may have changed since the last forward
+            if early != versions or (u is not self.small and u is not self.forward_order[0]):
+                u.gathered = None  # masters may have changed since these weights were gathered
             if grad:
                 u.fwd_version = u.master._version
-        versions = tuple(u.master._version for u in self.units)
-        if self.config.param_dtype != torch.float32 and versions != self._cast_versions:
-            with torch.no_grad():  # masters changed (optimizer step, load): refresh the cast shards
-                torch._foreach_copy_([u.gather_src for u in self.units], [u.master for u in self.units])
-            self._cast_versions = versions
-        # Gathers of this forward start after everything compute did so far: the casts above, the
-        # optimizer step, and the previous backward's last reads of the resident norm group (R1).
-        self.streams.comm.wait_event(self.streams.record(self.streams.compute))
         if self.norm_group is not None:
             if grad:
                 self.small.fwd_id = self.grad_fwd_id
             self.norm_group.begin_forward(grad)
         if self.forward_order:
-            self.gather(self.forward_order[0])
+            self._prefetch(self.forward_order[0])
         return None
+
+    def _refresh_sources(self) -> tuple:
+        """Recast the param_dtype shards if the masters changed, and order every gather issued
+        from now on after what compute did so far (the casts, the optimizer step, the previous
+        backward's last reads of the resident norm group: R1). Returns the masters' versions."""
+        versions = tuple(u.master._version for u in self.units)
+        if self.config.param_dtype != torch.float32 and versions != self._cast_versions:
+            with torch.no_grad():  # masters changed (optimizer step, load): refresh the cast shards
+                torch._foreach_copy_([u.gather_src for u in self.units], [u.master for u in self.units])
+            self._cast_versions = versions
+        self.streams.comm.wait_event(self.streams.record(self.streams.compute))
+        return versions
+
+    def after_optimizer_step(self) -> None:
+        """Run by the optimizer step post-hook (:mod:`yashard.guards`): start gathering the norm
+        group and the first unit of the next forward now, so they travel while the host does
+        whatever comes between steps (logging, data, ``zero_grad``). The next forward uses them
+        only if the masters have not changed since (compared by version counters)."""
+        if self.in_backward or not self.forward_order:
+            return
+        self._drain()
+        self.streams.capture_compute()
+        versions = self._refresh_sources()
+        for u in self.units:
+            u.gathered = None
+        if self.small is not None:
+            self.gather(self.small)
+        self.gather(self.forward_order[0])
+        self._early_versions = versions
 
     def _pre_forward(self, unit: Unit, module, args, kwargs):
         if unit.kind == "layer":

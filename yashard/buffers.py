@@ -1,8 +1,9 @@
 """Preallocated buffer slots: the only memory gathered weights and unreduced gradients ever use.
 
-A :class:`Slot` is a weight buffer (``param_dtype``), a gradient buffer (``reduce_dtype``) and a
-reduce-scatter output chunk, allocated once at :func:`yashard.shard` time and reused for the whole
-run. Units take turns owning a slot:
+A :class:`Slot` is a weight buffer (``param_dtype``) and a gradient buffer (``reduce_dtype``),
+allocated once at :func:`yashard.shard` time and reused for the whole run (the reduce-scatter output
+is one more buffer, shared by all slots: see rule R6 in :mod:`yashard.events`). Units take turns
+owning a slot:
 
 * slots 0 and 1 alternate between even and odd decoder layers (sized by the largest layer);
 * the *outer* slot is shared by the embedding and the lm_head (they never need their weights at the
@@ -20,7 +21,7 @@ import torch
 
 
 class Slot:
-    """One weight buffer + one gradient buffer + one reduce-scatter output, owned in turn."""
+    """One weight buffer + one gradient buffer, owned in turn."""
 
     def __init__(self, name: str, numel: int, world: int, param_dtype, grad_dtype, device):
         if numel % world:
@@ -29,7 +30,6 @@ class Slot:
         self.numel = numel
         self.weights = torch.empty(numel, dtype=param_dtype, device=device)
         self.grads = torch.zeros(numel, dtype=grad_dtype, device=device)
-        self.reduced = torch.empty(numel // world, dtype=grad_dtype, device=device)
         # Aliases with their own autograd version counters: collectives write through these, so
         # refilling a buffer never trips autograd's "modified by an inplace operation" check on the
         # parameter views saved for backward (the refill is ordered by events, not by autograd).
@@ -43,7 +43,7 @@ class Slot:
         self.zeroed_signature = None  # layout whose non-parameter ranges are known to be zero
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        out = {"weights": self.weights, "grads": self.grads, "reduced": self.reduced}
+        out = {"weights": self.weights, "grads": self.grads}
         if self.qwz_workspace is not None:
             out["qwz_workspace"] = self.qwz_workspace
         return out

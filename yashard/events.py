@@ -16,6 +16,10 @@ Rules (each one is enforced at exactly one place in ``runtime.py``):
   R5 gather-before-reduce   Gathers are issued one unit ahead (explicit prefetch), so the gather the
                             compute stream needs next is always already queued before any
                             reduce-scatter that is issued while it waits.
+  R6 reduce-after-reduce    A reduction starts only after the previous one (and its accumulation)
+                            finished: they share one output buffer. On CUDA the communication stream
+                            orders them already; on CPU the host finishes the previous one first
+                            (it was issued a whole layer's backward earlier, so this rarely waits).
 
 Forward, layers i-1, i, i+1 (slots alternate A/B by layer parity)::
 
@@ -119,8 +123,13 @@ class Pending:
         self.done = True
         self._work = self._on_done = self._waiter = None
 
-    def wait(self) -> None:
+    def finish(self) -> None:
+        """Complete the collective and its ``on_done`` on the communication stream, without
+        making the compute stream wait (on CUDA this already happened at construction)."""
         if not self.done:
             with torch.profiler.record_function("yashard::wait_collective"):
                 self._finish()
+
+    def wait(self) -> None:
+        self.finish()
         self._streams.compute.wait_event(self._event)

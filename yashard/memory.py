@@ -63,12 +63,13 @@ def plan_memory(rt: "Runtime") -> MemoryPlan:
     rows = []
     for slot in rt.slots.values():
         s = slot.numel
-        rows.append(MemoryRow(f"slot {slot.name}", s, s * (p + g) + (s // w) * g,
-                              f"S={s}: S*({p}+{g}) weights+grads + S/W*{g} reduce-scatter out"))
+        rows.append(MemoryRow(f"slot {slot.name}", s, s * (p + g), f"S={s}: S*({p}+{g}) weights+grads"))
         if cfg.quantized_weights and slot.name != "small":
             b = qwz_workspace_nbytes(s // w, w, bits=cfg.quantized_weights, block=cfg.quant_block)
             rows.append(MemoryRow(f"slot {slot.name} qwZ codes", b, b,
                                   f"W * (S/W * {cfg.quantized_weights}/8 + 4 per {cfg.quant_block}-block, 16-aligned)"))
+    m = max(slot.numel for slot in rt.slots.values()) // w
+    rows.append(MemoryRow("reduce-scatter out", m, m * g, f"max S/W={m} * {g}, shared by the slots"))
     n = sum(u.layout.shard_numel for u in rt.units)
     rows.append(MemoryRow("fp32 master shards", n, 4 * n, f"N/W={n} * 4"))
     rows.append(MemoryRow("fp32 grad shards", n, 4 * n, f"N/W={n} * 4"))
@@ -84,7 +85,7 @@ def plan_memory(rt: "Runtime") -> MemoryPlan:
         rows.append(MemoryRow(f"comm hook {name}", t.numel(), t.numel() * t.element_size(),
                               "allocated by the comm hook at its first call"))
     formula = (
-        f"sum over slots S*({p}+{g}+{g}/W) + N/W*(8{'+' + str(p) if cfg.param_dtype != torch.float32 else ''})"
+        f"sum over slots S*({p}+{g}) + max S/W*{g} + N/W*(8{'+' + str(p) if cfg.param_dtype != torch.float32 else ''})"
         + extra + (" + qwZ codes" if cfg.quantized_weights else "")
     )
     return MemoryPlan(tuple(rows), w, adamw_bytes=8 * n, formula=formula)

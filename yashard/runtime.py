@@ -66,7 +66,7 @@ class Runtime:
         self.grad_fwd_id = 0        # id of the latest grad-enabled forward
         self.in_backward = False
         self.pending: list[Pending] = []
-        self.comm_hook = reduce_scatter_hook   # how each unit's gradients are reduced (comm_hooks.py)
+        self._last_reduction: Pending | None = None  # R6: the reduction writing reduce_out        self.comm_hook = reduce_scatter_hook   # how each unit's gradients are reduced (comm_hooks.py)
         self.comm_hook_state = None
         self._workspaces: dict[str, torch.Tensor] = {}   # comm hooks' persistent scratch buffers
         self._bucket_index = 0
@@ -189,6 +189,8 @@ class Runtime:
             for name, numel in slot_sizes.items()
             if numel > 0
         }
+        # One reduce-scatter output for every slot: reductions run one after the other (R6).
+        self.reduce_out = torch.empty(max(s.numel for s in self.slots.values()) // w, dtype=gdt, device=self.device)
         if self.comm.reduce_scatter_needs_scratch():  # the default hook's receive buffers (gloo, > 2 ranks)
             for slot in self.slots.values():
                 self._workspace(f"reduce_scatter.{slot.name}", slot.numel, gdt)
@@ -555,8 +557,10 @@ class Runtime:
             slot.release = self.streams.record(compute)  # weights no longer read (R1 for re-gathers)
         ready = self.streams.record(compute)
         n = unit.layout.shard_numel
+        if self._last_reduction is not None:
+            self._last_reduction.finish()  # R6: it may still be reading the shared output buffer
         bucket = GradBucket(self._bucket_index, unit.name, unit is self.small, self.comm, slot.name,
-                            slot.grads.narrow(0, 0, unit.layout.padded), slot.reduced.narrow(0, 0, n),
+                            slot.grads.narrow(0, 0, unit.layout.padded), self.reduce_out.narrow(0, 0, n),
                             self._workspace)
         self._bucket_index += 1
         label = "yashard::norm_group_reduce_scatter" if unit.kind == "small" else "yashard::reduce_scatter"
@@ -592,6 +596,7 @@ class Runtime:
                      self._phase_state())
         pending = Pending(self.streams, work, accumulate, functools.partial(self.comm.wait, what=what))
         slot.grad_busy = pending
+        self._last_reduction = pending
         self.pending.append(pending)
         unit.grad_claimed = False
         unit.reduced_in_pass = True
@@ -619,6 +624,7 @@ class Runtime:
         for p in self.pending:
             p.wait()
         self.pending.clear()
+        self._last_reduction = None
         for slot in self.slots.values():
             slot.grad_busy = None
 
@@ -730,6 +736,7 @@ class Runtime:
         for slot in self.slots.values():
             for k, t in slot.tensors().items():
                 out[f"slot.{slot.name}.{k}"] = t
+        out["reduce_out"] = self.reduce_out
         for u in self.units:
             out[f"{u.name}.master"] = u.master
             out[f"{u.name}.grad"] = u.grad_storage

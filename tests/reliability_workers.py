@@ -150,3 +150,20 @@ def prefetch_after_step(rank, world):
     with torch.no_grad():
         ref_loss = ref(input_ids=ids, labels=ids).loss.item()
     return dict(tail=steps_tail, loss=loss, ref=ref_loss)
+
+
+def uneven_micro_batches(rank, world):
+    """Rank 0 runs two micro-batches, rank 1 one: their collectives stop matching. Nobody may hang."""
+    sm, opt = _setup(collective_timeout=10)
+    _step(sm, opt, rank, world, 0)
+    t0 = time.monotonic()
+    try:
+        for i in range(2 if rank == 0 else 1):
+            ids = batches(2, 2 * world, 8, 96)[i].chunk(world)[rank]
+            sm(input_ids=ids, labels=ids).loss.backward()
+        sm.clip_grad_norm_(1.0)
+        opt.step()
+        _step(sm, opt, rank, world, 1)
+    except (yashard.CollectiveError, yashard.CollectiveOrderError) as e:
+        return dict(error=f"{type(e).__name__}: {e}", seconds=time.monotonic() - t0)
+    return dict(error=None, seconds=time.monotonic() - t0)

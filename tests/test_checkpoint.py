@@ -281,6 +281,16 @@ def test_export_loads_with_from_pretrained(straight, tmp_path):
         assert not [p for p in path.parent.iterdir() if p.name.startswith(".")]   # no temp leftovers
 
 
+def test_export_loads_back_into_a_sharded_run(straight):
+    """export_hf -> yashard.from_pretrained at another world size: the same weights, bitwise."""
+    from loading_workers import shard_folder
+
+    for name, (s, res) in straight.items():
+        for got in launch(shard_folder, 3, s["export"], True):
+            assert set(got["params"]) == set(res["params"]), name
+            assert all(torch.equal(got["params"][k], res["params"][k]) for k in res["params"]), name
+
+
 # ------------------------------------------------------------------------------------------------
 # Single-rank process group in this process
 

@@ -119,12 +119,13 @@ def test_two_runs_are_bitwise_equal_and_buffers_never_move():
         assert res["plan"] == res["allocated"]                 # the plan is what is allocated
 
 
-def test_mistral_qwen3_and_gemma_parity():
-    """Mistral (sliding-window config), Qwen3 (q/k norms inside attention; also tied) and Gemma
-    (tied, scaled embeddings, (1 + w) norms)."""
+def test_mistral_qwen3_gemma_and_sdpa_parity():
+    """Mistral (sliding-window config), Qwen3 (q/k norms inside attention; also tied), Gemma
+    (tied, scaled embeddings, (1 + w) norms), and Llama with SDPA attention (the others: eager)."""
     scenarios = [scenario(family="mistral", steps=4), scenario(family="qwen3", steps=4),
                  scenario(family="qwen3", overrides={"tie_word_embeddings": True}, steps=4),
-                 scenario(family="gemma", steps=4)]
+                 scenario(family="gemma", steps=4),
+                 scenario(overrides={"attn_implementation": "sdpa"}, steps=4)]
     results = run_distributed(run_many, 2, scenarios)[0]
     for s, res in zip(scenarios, results):
         check_fp32(res, run_reference({**s, "world": 2}))

@@ -10,7 +10,8 @@ import pytest
 
 from harness import run_distributed, run_until_exit
 from reliability_workers import (die_or_stall, guard_run, lm_head_too_early, nonfinite,
-                                 nonfinite_skip_then_train, optimizer_before_shard, prefetch_after_step)
+                                 nonfinite_skip_then_train, optimizer_before_shard, prefetch_after_step,
+                                 uneven_micro_batches)
 
 
 @pytest.mark.parametrize("where", ["forward", "grad"])
@@ -78,3 +79,16 @@ def test_gathers_issued_after_the_step_are_redone_when_the_masters_change():
     for res in run_distributed(prefetch_after_step, 2):
         assert res["tail"] == [("all_gather", "small"), ("all_gather", "embed")]  # issued by opt.step()
         assert abs(res["loss"] - res["ref"]) < 1e-5 * abs(res["ref"]), res
+
+
+def test_ranks_running_different_numbers_of_forward_passes_fail_instead_of_hanging():
+    """The collectives stop matching: gloo aborts the rank that receives a mismatched size, and
+    the other raises CollectiveError; every process has ended well within the timeout."""
+    out = run_until_exit(uneven_micro_batches, 2, timeout=60, grace=20)
+    reports = {r: rep for r, (code, rep) in out.items() if rep is not None}
+    errors = [rep[1]["error"] for rep in reports.values() if rep[0] and rep[1]["error"]]
+    aborted = [r for r, (code, rep) in out.items() if code not in (0, None) and rep is None]
+    assert errors or aborted, out
+    for e in errors:
+        assert e.startswith(("CollectiveError: yashard: ", "CollectiveOrderError: ")), e
+    assert all(rep[1]["seconds"] < 15 for rep in reports.values() if rep[0]), out

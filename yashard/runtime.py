@@ -66,7 +66,8 @@ class Runtime:
         self.grad_fwd_id = 0        # id of the latest grad-enabled forward
         self.in_backward = False
         self.pending: list[Pending] = []
-        self._last_reduction: Pending | None = None  # R6: the reduction writing reduce_out        self.comm_hook = reduce_scatter_hook   # how each unit's gradients are reduced (comm_hooks.py)
+        self._last_reduction: Pending | None = None  # R6: the reduction writing reduce_out
+        self.comm_hook = reduce_scatter_hook   # how each unit's gradients are reduced (comm_hooks.py)
         self.comm_hook_state = None
         self._workspaces: dict[str, torch.Tensor] = {}   # comm hooks' persistent scratch buffers
         self._bucket_index = 0

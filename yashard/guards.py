@@ -5,8 +5,7 @@ parameters of the optimizer being stepped:
 
 * a parameter that ``yashard.shard`` removed from the model (the optimizer was built before
   ``shard``) raises: stepping it would silently train nothing;
-* for every yashard runtime whose master shards the optimizer holds, :meth:`Runtime.step_checks`
-  runs: non-finite gradients or forward outputs (``ShardConfig.on_nonfinite``) and, with
+* for every yashard runtime whose master shards the optimizer holds, :func:`step_checks` runs: non-finite gradients or forward outputs (``ShardConfig.on_nonfinite``) and, with
   ``ShardConfig.debug_collectives``, the comparison of every rank's collective sequence.
 
 A global step post-hook lets each such runtime start the next forward's first gathers right after
@@ -17,12 +16,14 @@ Optimizers that hold no yashard parameter pay one set lookup per parameter.
 
 from __future__ import annotations
 
+import logging
 import weakref
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 _handles: list = []
+logger = logging.getLogger("yashard")
 
 
 class _ByIdentity:
@@ -85,10 +86,82 @@ def _runtimes(optimizer, check: bool) -> list:
 
 def _before_step(optimizer, args, kwargs):
     for rt in _runtimes(optimizer, check=True):
-        rt.step_checks()
+        step_checks(rt)
     return None
 
 
 def _after_step(optimizer, args, kwargs):
     for rt in _runtimes(optimizer, check=False):
         rt.after_optimizer_step()
+
+
+@torch.no_grad()
+def step_checks(rt) -> None:
+    """Run by the optimizer step pre-hook for runtime ``rt``: non-finite values
+    (``on_nonfinite``) and the collective-order comparison (``debug_collectives``), with one
+    small all-gather over the data-parallel group."""
+    cfg, comm = rt.config, rt.comm
+    if cfg.on_nonfinite == "ignore" and not cfg.debug_collectives:
+        return
+    n = len(rt.units)
+    log = comm.log
+    local = torch.cat([rt.fwd_nonfinite.long(), rt.grad_nonfinite.long(),
+                       torch.tensor([log.crc, len(log.sequence)], device=rt.device)])
+    every = comm.all_gather_tensor(local, "step checks (before the optimizer step)").cpu()
+    rt.fwd_nonfinite.zero_()
+    rt.grad_nonfinite.zero_()
+    if cfg.debug_collectives:
+        if not (every[:, 2 * n:] == every[0, 2 * n:]).all():
+            _raise_divergence(rt)
+        log.reset_sequence()
+    if cfg.on_nonfinite == "ignore" or not every[:, : 2 * n].any():
+        return
+    message = _nonfinite_message(rt, every[:, :n].bool(), every[:, n: 2 * n].bool())
+    if cfg.on_nonfinite == "raise":
+        raise NonFiniteError(message + "; ShardConfig(on_nonfinite='skip') skips such steps instead")
+    rt.skipped_steps += 1
+    for u in rt.units:  # the optimizer skips parameters without gradients: a true skip
+        u.master.grad = None
+    if comm.rank == 0:
+        logger.warning("%s; skipping this optimizer step (%d skipped so far)", message, rt.skipped_steps)
+
+
+def _nonfinite_message(rt, fwd: torch.Tensor, grad: torch.Tensor) -> str:
+    """Name the first unit (forward order) whose output, else the first (backward order) whose
+    gradients, held a NaN/inf, and the ranks that saw it."""
+    def ranks(col):
+        r = [i for i, bad in enumerate(col.tolist()) if bad]
+        return "every rank" if len(r) == rt.comm.world else "rank" + ("s " if len(r) > 1 else " ") + ", ".join(map(str, r))
+
+    parts = []
+    bad_fwd = [u for u in rt.forward_order if fwd[:, u.order].any()]
+    if bad_fwd:
+        u = bad_fwd[0]
+        parts.append(f"the forward output of {rt.module_name(u)} was the first non-finite one (on "
+                     f"{ranks(fwd[:, u.order])})")
+    backward = ([rt.lm_head] if rt.lm_head else []) + rt.layers[::-1] + ([rt.embed] if rt.embed else [])
+    backward += [rt.small] if rt.small else []
+    bad_grad = [u for u in backward if grad[:, u.order].any()]
+    if bad_grad:
+        names = ", ".join(rt.module_name(u) for u in bad_grad[:4]) + (", ..." if len(bad_grad) > 4 else "")
+        parts.append(f"non-finite gradients in {names} (first in backward order: {rt.module_name(bad_grad[0])}, "
+                     f"on {ranks(grad[:, bad_grad[0].order])})")
+    return "yashard: NaN/inf before optimizer step: " + "; ".join(parts)
+
+
+def _raise_divergence(rt) -> None:
+    """Find the first collective where a rank's sequence differs from rank 0's, and raise."""
+    seqs = rt.comm.all_gather_object(list(rt.comm.log.sequence))
+    ref = seqs[0]
+    for r, seq in enumerate(seqs[1:], 1):
+        k = next((i for i, (a, b) in enumerate(zip(ref, seq)) if a != b), min(len(ref), len(seq)))
+        if k < max(len(ref), len(seq)):
+            def show(x, i):
+                return (f"{x[i][0]} of {x[i][1]} ({x[i][2]} elements, {x[i][3]} bytes, {x[i][4]} group)"
+                        if i < len(x) else "nothing")
+            raise CollectiveOrderError(
+                f"ranks issued different collectives since the last optimizer step: collective #{k + 1} was "
+                f"{show(ref, k)} on rank 0 but {show(seq, k)} on rank {r} (rank 0 issued {len(ref)}, rank {r} "
+                f"issued {len(seq)}); every rank must run the same forward/backward passes over the same layers"
+            )
+    raise CollectiveOrderError("ranks' collective sequences hash differently but compare equal (hash collision?)")

@@ -1,8 +1,8 @@
 """The runtime: builds units and slots from a model spec, installs the hooks, runs the schedule.
 
 Data flows one way: ``ShardConfig`` + ``ModelSpec`` -> per-unit ``FlatLayout`` -> ``Slot`` buffers
--> hooks on the HF modules -> collectives. The stream/event rules R1-R5 referenced below are
-stated in :mod:`yashard.events`.
+-> hooks on the HF modules -> collectives. The stream/event rules R1-R6 referenced below are
+stated in :mod:`yashard.events`; the checks run around optimizer steps are in :mod:`yashard.guards`.
 """
 
 from __future__ import annotations
@@ -18,14 +18,12 @@ from torch import nn
 from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from . import materialize
+from . import guards, materialize
 from .buffers import Slot
 from .collectives import Comm
 from .comm_hooks import GradBucket, reduce_scatter_hook
 from .config import ShardConfig
 from .events import Completed, Pending, Streams
-from . import guards
-from .guards import CollectiveOrderError, NonFiniteError
 from .gate_grad_flow import BackwardEntry, GateGradFlow
 from .layout import build_layout
 from .memory import MemoryPlan, plan_memory
@@ -250,8 +248,8 @@ class Runtime:
         for i, u in enumerate(self.units):
             u.order = i
         # Since the last optimizer step: did a unit's forward output / reduced gradient hold a NaN/inf?
-        self._fwd_nonfinite = torch.zeros(len(self.units), dtype=torch.bool, device=self.device)
-        self._grad_nonfinite = torch.zeros(len(self.units), dtype=torch.bool, device=self.device)
+        self.fwd_nonfinite = torch.zeros(len(self.units), dtype=torch.bool, device=self.device)
+        self.grad_nonfinite = torch.zeros(len(self.units), dtype=torch.bool, device=self.device)
         self.skipped_steps = 0
         guards.track(self, removed)  # weak references: the removed parameters are freed as usual
         self.model.to(self.device)  # moves the remaining buffers (rotary tables, ...)
@@ -475,7 +473,7 @@ class Runtime:
         if self.config.on_nonfinite != "ignore":  # which unit first produced a NaN/inf (step_checks)
             first = next((x for x in flat if isinstance(x, torch.Tensor) and x.is_floating_point()), None)
             if first is not None:
-                self._fwd_nonfinite[unit.order].logical_or_(_nonfinite(first.detach()))
+                self.fwd_nonfinite[unit.order].logical_or_(_nonfinite(first.detach()))
         if unit is self.embed:
             return None  # the embedding needs no weights in backward
         idx = [i for i, x in enumerate(flat) if _is_diff_tensor(x)]
@@ -590,7 +588,7 @@ class Runtime:
                 if replicas is not None:
                     self.comm.all_reduce(value, unit.name, replicas)
                 if check:  # before clipping, which would spread a NaN to every gradient
-                    self._grad_nonfinite[unit.order].logical_or_(_nonfinite(value))
+                    self.grad_nonfinite[unit.order].logical_or_(_nonfinite(value))
                 master.grad.add_(value, alpha=scale)
 
         what = _What(f"gradient reduction ({getattr(self.comm_hook, '__name__', 'comm hook')})", unit.name,
@@ -653,79 +651,11 @@ class Runtime:
         self.comm_hook, self.comm_hook_state = hook, state
         self._workspaces.clear()  # the default hook's buffers; the new hook asks for its own
 
-    # ------------------------------------------------------------------ checks before each step
-    @torch.no_grad()
-    def step_checks(self) -> None:
-        """Run by the optimizer step pre-hook (:mod:`yashard.guards`): non-finite values
-        (``on_nonfinite``) and the collective-order comparison (``debug_collectives``), with one
-        small all-gather over the data-parallel group."""
-        cfg, comm = self.config, self.comm
-        if cfg.on_nonfinite == "ignore" and not cfg.debug_collectives:
-            return
-        n = len(self.units)
-        log = comm.log
-        local = torch.cat([self._fwd_nonfinite.long(), self._grad_nonfinite.long(),
-                           torch.tensor([log.crc, len(log.sequence)], device=self.device)])
-        every = comm.all_gather_tensor(local, "step checks (before the optimizer step)").cpu()
-        self._fwd_nonfinite.zero_()
-        self._grad_nonfinite.zero_()
-        if cfg.debug_collectives:
-            if not (every[:, 2 * n:] == every[0, 2 * n:]).all():
-                self._raise_divergence()
-            log.reset_sequence()
-        if cfg.on_nonfinite == "ignore" or not every[:, : 2 * n].any():
-            return
-        message = self._nonfinite_message(every[:, :n].bool(), every[:, n: 2 * n].bool())
-        if cfg.on_nonfinite == "raise":
-            raise NonFiniteError(message + "; ShardConfig(on_nonfinite='skip') skips such steps instead")
-        self.skipped_steps += 1
-        for u in self.units:  # the optimizer skips parameters without gradients: a true skip
-            u.master.grad = None
-        if comm.rank == 0:
-            logger.warning("%s; skipping this optimizer step (%d skipped so far)", message, self.skipped_steps)
-
-    def _nonfinite_message(self, fwd: torch.Tensor, grad: torch.Tensor) -> str:
-        """Name the first unit (forward order) whose output, else the first (backward order) whose
-        gradients, held a NaN/inf, and the ranks that saw it."""
-        def ranks(col):
-            r = [i for i, bad in enumerate(col.tolist()) if bad]
-            return "every rank" if len(r) == self.comm.world else "rank" + ("s " if len(r) > 1 else " ") + ", ".join(map(str, r))
-
-        parts = []
-        bad_fwd = [u for u in self.forward_order if fwd[:, u.order].any()]
-        if bad_fwd:
-            u = bad_fwd[0]
-            parts.append(f"the forward output of {self._module_name(u)} was the first non-finite one (on "
-                         f"{ranks(fwd[:, u.order])})")
-        backward = ([self.lm_head] if self.lm_head else []) + self.layers[::-1] + ([self.embed] if self.embed else [])
-        backward += [self.small] if self.small else []
-        bad_grad = [u for u in backward if grad[:, u.order].any()]
-        if bad_grad:
-            names = ", ".join(self._module_name(u) for u in bad_grad[:4]) + (", ..." if len(bad_grad) > 4 else "")
-            parts.append(f"non-finite gradients in {names} (first in backward order: {self._module_name(bad_grad[0])}, "
-                         f"on {ranks(grad[:, bad_grad[0].order])})")
-        return "yashard: NaN/inf before optimizer step: " + "; ".join(parts)
-
-    def _module_name(self, unit: Unit) -> str:
+    def module_name(self, unit: Unit) -> str:
+        """The HF path of ``unit`` ("model.layers.3", "lm_head", ...), for messages."""
         if unit.kind == "layer":
             return f"{self.spec.layers}.{unit.index}"
         return {"embed": self.spec.embed, "lm_head": self.spec.lm_head}.get(unit.name, "the norm group")
-
-    def _raise_divergence(self) -> None:
-        seqs = self.comm.all_gather_object(list(self.comm.log.sequence))
-        ref = seqs[0]
-        for r, seq in enumerate(seqs[1:], 1):
-            k = next((i for i, (a, b) in enumerate(zip(ref, seq)) if a != b), min(len(ref), len(seq)))
-            if k < max(len(ref), len(seq)):
-                def show(x, i):
-                    return (f"{x[i][0]} of {x[i][1]} ({x[i][2]} elements, {x[i][3]} bytes, {x[i][4]} group)"
-                            if i < len(x) else "nothing")
-                raise CollectiveOrderError(
-                    f"ranks issued different collectives since the last optimizer step: collective #{k + 1} was "
-                    f"{show(ref, k)} on rank 0 but {show(seq, k)} on rank {r} (rank 0 issued {len(ref)}, rank {r} "
-                    f"issued {len(seq)}); every rank must run the same forward/backward passes over the same layers"
-                )
-        raise CollectiveOrderError("ranks' collective sequences hash differently but compare equal (hash collision?)")
 
     # ------------------------------------------------------------------ user-facing helpers
     def memory_plan(self) -> MemoryPlan:

@@ -168,3 +168,19 @@ def summarize_log(records, steps: int, group_sizes: dict[str, int]) -> dict:
     ``(op, unit, numel, nbytes, group)``; ``group_sizes`` maps the log's group labels to sizes."""
     calls = [Call(op, op, nbytes, group_sizes.get(group, 1)) for op, _unit, _numel, nbytes, group in records]
     return summarize(calls, steps)
+
+
+def compare_with_log(log: dict, counter: dict, tolerance: int = 1024) -> str:
+    """One sentence comparing yashard's own collective log with the dispatch counter, both as
+    returned by :func:`summarize`. The bytes must agree (within ``tolerance`` bytes, the size of
+    the runtime's step-check all-gather, which the log leaves out); the counts may not, because the
+    counter counts operators and the log counts collectives: on gloo a two-rank reduce-scatter is one
+    send and one receive, so each kind is listed from both sides."""
+    def kinds(s):
+        return ", ".join(f"{k} {n:g}" for k, (n, _b) in s["by_kind"].items()) or "none"
+    same = abs(log["payload"] - counter["payload"]) <= tolerance
+    return (f"its collective log has {log['payload'] / 2**20:.2f} MiB per step, the dispatch counter "
+            f"{counter['payload'] / 2**20:.2f} MiB ({'same bytes' if same else 'DIFFERENT BYTES'}); "
+            f"collectives by kind: log {kinds(log)}; counter {kinds(counter)} (the counter counts "
+            "operators: a two-rank gloo reduce-scatter is a send and a receive, and the runtime's "
+            "step check adds one small all-gather that the log leaves out)")

@@ -270,12 +270,7 @@ def run_compare(args, device) -> dict:
                      **eng.extra)
         out_engines.append(entry)
         if "log_comm" in eng.extra:
-            lc, c = eng.extra["log_comm"], eng.comm
-            same = lc["count"] == c["count"] and lc["payload"] == c["payload"]
-            footer.append(
-                f"{eng.name}: its collective log says {lc['count']:g} collectives, {lc['payload'] / br.MiB:.2f} MiB "
-                f"per step; the dispatch counter saw {c['count']:g}, {c['payload'] / br.MiB:.2f} MiB "
-                f"({'identical' if same else 'DIFFERENT'}).")
+            footer.append(f"{eng.name}: " + bench_comm.compare_with_log(eng.extra["log_comm"], eng.comm) + ".")
         if "plan_bytes" in eng.extra:
             footer.append(f"{eng.name}: memory_plan().total_bytes {br.mib(eng.extra['plan_bytes'])} MiB + AdamW state "
                           f"{br.mib(eng.extra['adamw_bytes'])} MiB (steady increment measured: {br.mib(steady)} MiB).")

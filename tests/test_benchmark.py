@@ -85,6 +85,17 @@ def test_ring_bytes_and_summary():
     assert bc.summarize_log(log, 2, {"world": 2}) == {**s, "count": 1.5}
 
 
+
+def test_log_and_counter_comparison_checks_bytes_and_lists_both_counts():
+    log = bc.summarize([bc.Call("reduce_scatter", "x", 2_000_000, 2), bc.Call("all_gather", "x", 1_000_000, 2)], 1)
+    swap = [bc.Call("p2p", "send", 1_000_000, 2), bc.Call("p2p", "recv_", 1_000_000, 2), bc.Call("all_gather", "x", 1_000_000, 2)]
+    check = [bc.Call("all_gather", "x", 8, 2)]
+    same = bc.compare_with_log(log, bc.summarize(swap + check, 1))
+    assert "same bytes" in same and "log all_gather 1, reduce_scatter 1" in same
+    assert "counter all_gather 2, p2p 2" in same
+    lost = bc.compare_with_log(log, bc.summarize(swap[1:], 1))
+    assert "DIFFERENT BYTES" in lost
+
 # ---------------------------------------------------------------------------------------- statistics
 def test_linear_fit_recovers_a_line_and_scores_noise():
     a, b, r2 = br.linear_fit([2, 4, 8], [3 + 0.5 * x for x in (2, 4, 8)])

@@ -90,6 +90,21 @@ def test_config_bad_shard_align(value):
         yashard.ShardConfig(shard_align=value)
 
 
+
+@pytest.mark.parametrize("field, value, exc, message", [
+    ("shard_group_size", 0, ValueError, r"ShardConfig\.shard_group_size must be a positive int \(ranks per group\) or None, got 0"),
+    ("secondary_group_size", True, ValueError, r"ShardConfig\.secondary_group_size must be a positive int .* got True"),
+    ("quantized_weights", 16, ValueError, r"ShardConfig\.quantized_weights=16 is not supported; use 8 \(int8\), 4 \(int4\) or None"),
+    ("quant_block", 7, ValueError, r"ShardConfig\.quant_block must be an even int in \[2, 32768\], got 7"),
+    ("on_nonfinite", "warn", ValueError, r"ShardConfig\.on_nonfinite='warn'; use 'raise', 'skip' or 'ignore'"),
+    ("debug_collectives", "yes", TypeError, r"ShardConfig\.debug_collectives must be a bool, got str"),
+    ("collective_timeout", 0, ValueError, r"ShardConfig\.collective_timeout must be a positive number of seconds or None, got 0"),
+    ("collective_timeout", "60", ValueError, r"ShardConfig\.collective_timeout must be .* got '60'"),
+])
+def test_config_bad_field(field, value, exc, message):
+    with pytest.raises(exc, match=message):
+        yashard.ShardConfig(**{field: value})
+
 # ---------------------------------------------------------------------------------------------
 # shard() argument checks that fire before the process group is looked at.
 

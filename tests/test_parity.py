@@ -82,11 +82,6 @@ def test_gradient_accumulation_gives_the_same_trajectory():
             err, name = max_rel_err(got, want)
             assert err < 1e-5, (name, err)
         assert_params_close(res["params"], ref["params"], 1e-5)
-    # the gathered gradients agree on every rank
-    for r in results[1:]:
-        for a, b in zip(results[0], r):
-            for ga, gb in zip(a["grads"], b["grads"]):
-                assert all(torch.equal(ga[k], gb[k]) for k in ga)
 
 
 def test_tied_embeddings_unused_params_checkpointing_and_zero_grad_modes():

@@ -55,7 +55,8 @@ def test_a_dead_or_stalled_rank_makes_the_others_raise_in_bounded_time(action):
     assert report is not None, out
     ok, res = report
     assert ok and res["error"], out
-    assert re.search(r"yashard: (all_gather of \w+ \(forward #3\)|.*) on rank 0 of 2 failed: ", res["error"]), res["error"]
+    assert re.search(r"yashard: (all_gather|reduce_scatter|all_reduce|all_to_all) of \w+ \((backward of )?forward #3\) "
+                     r"on rank 0 of 2 failed: ", res["error"]), res["error"]
     assert "A peer rank died, stalled, or issued a different sequence of collectives" in res["error"]
     if action == "stall":
         assert "timed out" in res["error"].lower() and timeout <= res["seconds"] < timeout + 10, res

@@ -158,7 +158,9 @@ def summarize(calls: Iterable[Call], steps: int) -> dict:
     return {
         "count": len(calls) / steps,
         "payload": sum(c.payload for c in calls) / steps,
-        "ring_sent": sum(ring_bytes_sent(c.kind, c.payload, c.group_size) for c in calls) / steps,
+        # a receive sends nothing: its bytes are the peer's send
+        "ring_sent": sum(0.0 if "recv" in c.op else ring_bytes_sent(c.kind, c.payload, c.group_size)
+                         for c in calls) / steps,
         "by_kind": {k: [by_kind[k] / steps, by_bytes[k] / steps] for k in sorted(by_kind)},
     }
 

@@ -198,17 +198,20 @@ def build_model(cfg: TrainConfig, tok):
     """The HF model, identical on every rank (yashard also broadcasts rank 0's weights).
 
     The source is the first of these the config has and sets: ``model`` (a local HF checkpoint
-    folder, loaded in fp32), ``config`` (an HF config.json, random init) or ``model_size`` (a
-    ``MODEL_SIZES`` preset, random init); with none, the "tiny" preset. The model's vocabulary
-    must cover the tokenizer's ids (checked on the config, before any weights are made).
+    folder: the model is built on the meta device and :func:`setup` shards it straight from the
+    folder's safetensors files, so no rank holds the full model), ``config`` (an HF config.json,
+    random init) or ``model_size`` (a ``MODEL_SIZES`` preset, random init); with none, the "tiny"
+    preset. The model's vocabulary must cover the tokenizer's ids (checked on the config, before
+    any weights are made).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(cfg.seed)
     if getattr(cfg, "model", None) is not None:
-        _check_vocab(AutoConfig.from_pretrained(cfg.model), tok, f"--model {cfg.model}")
-        # dtype= is the current name of from_pretrained's torch_dtype argument.
-        return AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
+        hf_config = AutoConfig.from_pretrained(cfg.model)
+        _check_vocab(hf_config, tok, f"--model {cfg.model}")
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     if getattr(cfg, "config", None) is not None:
         hf_config = load_hf_config(cfg.config)
         _check_vocab(hf_config, tok, f"--config {cfg.config}")
@@ -271,7 +274,7 @@ def setup(cfg: TrainConfig) -> Session:
 
     hf_model = build_model(cfg, tok)
     n_params = sum(p.numel() for p in hf_model.parameters())
-    model = yashard.shard(hf_model, config=yashard.ShardConfig(
+    model = yashard.shard(hf_model, weights=model_path, config=yashard.ShardConfig(
         param_dtype=DTYPES[cfg.param_dtype], reduce_dtype=torch.float32,
         checkpoint_layers=cfg.checkpoint_layers))
     opt = torch.optim.AdamW(model.param_groups(weight_decay=cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95))

@@ -93,6 +93,7 @@ def test_log_and_counter_comparison_checks_bytes_and_lists_both_counts():
     same = bc.compare_with_log(log, bc.summarize(swap + check, 1))
     assert "same bytes" in same and "log all_gather 1, reduce_scatter 1" in same
     assert "counter all_gather 2, p2p 2" in same
+    assert bc.summarize(swap, 1)["ring_sent"] == 1_000_000 + 500_000  # the send, and the gather's half
     lost = bc.compare_with_log(log, bc.summarize(swap[1:], 1))
     assert "DIFFERENT BYTES" in lost
 

@@ -61,10 +61,11 @@ def test_compression_and_noop_hooks():
                  scenario(steps=3, hook="noop", log_step=0)]
     results = run_distributed(run_many, 2, scenarios)
     ref = run_reference({**scenarios[0], "world": 2})
-    for res in results[0][:2]:
-        # 16-bit wire: first-step gradients within the documented bound (a few 2**-8 relative)
+    for res, unit_roundoff in zip(results[0][:2], (2**-8, 2**-11)):
+        # 16-bit wire: first-step gradients within the documented bound, (W + 1) unit roundoffs
+        # of the format (bf16: 8 bits of mantissa, fp16: 11) at W = 2
         err, name = max_rel_err(res["grads"][0], ref["grads"][0])
-        assert err < 3 * 2**-8, (name, err)
+        assert err < 3 * unit_roundoff, (name, err)
         assert loss_rel_err(res["losses"], ref["losses"]) < 1e-3
     bf16 = results[0][0]["log"]
     rs = [r for r in bf16 if r[1] == "reduce_scatter"]

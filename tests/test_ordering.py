@@ -8,6 +8,7 @@
 * Every rank issues the same collectives in the same order.
 """
 
+import pytest
 import torch
 
 import yashard
@@ -15,7 +16,12 @@ from harness import run_distributed
 from models import batches, build
 
 
-def _record_run(rank, world, ckpt):
+def _as_keyword(module, args, kwargs):
+    """Forward pre-hook: pass the layer's hidden states as ``hidden_states=`` instead of positionally."""
+    return args[1:], {"hidden_states": args[0], **kwargs} if args else kwargs
+
+
+def _record_run(rank, world, ckpt, keyword=False):
     from yashard.collectives import Comm
     from yashard.unit import Unit
 
@@ -43,7 +49,11 @@ def _record_run(rank, world, ckpt):
     Comm.all_gather, Comm.reduce_scatter = ag, rs
 
     model = build("llama", num_hidden_layers=6)
+    if keyword:  # registered before yashard's hooks, so they see (and must gate) a keyword input
+        for layer in model.model.layers:
+            layer.register_forward_pre_hook(_as_keyword, with_kwargs=True)
     sm = yashard.shard(model, config=yashard.ShardConfig(checkpoint_layers=ckpt))
+    opt = torch.optim.SGD(sm.parameters(), lr=0.0)  # its step changes the masters' versions
     for i, layer in enumerate(model.model.layers):
         for mod in layer.modules():
             if isinstance(mod, torch.nn.Linear):
@@ -58,6 +68,8 @@ def _record_run(rank, world, ckpt):
         out = sm(input_ids=ids, labels=ids)
         events.append(("backward", ""))
         out.loss.backward()
+        opt.step()  # one micro-batch per step: the next forward gathers every layer again
+        opt.zero_grad()
     return events
 
 
@@ -87,9 +99,10 @@ def _check(events, n_layers):
     assert all(("AG", f"layer_{i}") in bwd for i in range(n_layers - 2))
 
 
-def test_gate_prefetch_and_collective_order():
+@pytest.mark.parametrize("keyword", [False, True], ids=["positional", "keyword"])
+def test_gate_prefetch_and_collective_order(keyword):
     for ckpt in (0, 6):
-        results = run_distributed(_record_run, 2, ckpt)
+        results = run_distributed(_record_run, 2, ckpt, keyword)
         for events in results:
             _check(events, 6)
         coll = [[e for e in ev if e[0] in ("AG", "RS")] for ev in results]

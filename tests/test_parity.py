@@ -4,6 +4,8 @@ Same initial weights, same global batch per step, same AdamW and clipping. fp32 
 relative; bf16 (weights and compute in bf16, fp32 masters and reduction) to bf16 tolerance.
 """
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -73,15 +75,24 @@ def test_bf16_parity_within_bf16_tolerance():
 def test_gradient_accumulation_gives_the_same_trajectory():
     """(micro, accum) = (4,1), (2,2), (1,4) per rank: same global batch, same grads, same params."""
     shapes = [(4, 1), (2, 2), (1, 4)]
-    scenarios = [scenario(micro=m, accum=a, steps=6, grads_every_step=True) for m, a in shapes]
+    scenarios = [scenario(micro=m, accum=a, steps=6, grads_every_step=True, log_step=2) for m, a in shapes]
     results = run_distributed(run_many, 2, scenarios)
     ref = run_reference({**scenarios[0], "world": 2})
-    for res in results[0]:
+    for (_, accum), res in zip(shapes, results[0]):
         assert loss_rel_err(res["losses"], ref["losses"]) < 1e-5
         for got, want in zip(res["grads"], ref["grads"]):  # full gradients before every optimizer step
             err, name = max_rel_err(got, want)
             assert err < 1e-5, (name, err)
         assert_params_close(res["params"], ref["params"], 1e-5)
+        # Collectives of step 2. The norm group was gathered right after step 1's optimizer step
+        # (outside the logged window) and is never gathered again during the step; it is reduced
+        # once per backward. Layers 0 and 1 stay in their slots from one micro-batch's backward to
+        # the next forward (masters unchanged), so only the first forward gathers them.
+        fwd_gathers = Counter(r[2] for r in res["log"] if r[0] == "fwd" and r[1] == "all_gather")
+        reductions = Counter(r[2] for r in res["log"] if r[1] == "reduce_scatter")
+        assert fwd_gathers["small"] == 0 and reductions["small"] == accum, (fwd_gathers, reductions)
+        assert fwd_gathers["layer_0"] == fwd_gathers["layer_1"] == 1, fwd_gathers
+        assert fwd_gathers["layer_2"] == fwd_gathers["layer_3"] == accum, fwd_gathers
 
 
 def test_tied_embeddings_unused_params_checkpointing_and_zero_grad_modes():

@@ -55,7 +55,7 @@ def test_a_dead_or_stalled_rank_makes_the_others_raise_in_bounded_time(action):
     assert report is not None, out
     ok, res = report
     assert ok and res["error"], out
-    assert re.search(r"yashard: (all_gather|reduce_scatter|all_reduce|all_to_all) of \w+ \((backward of )?forward #3\) "
+    assert re.search(r"yashard: (all_gather|gradient reduction \(\w+\)) of \w+ \((backward of )?forward #3\) "
                      r"on rank 0 of 2 failed: ", res["error"]), res["error"]
     assert "A peer rank died, stalled, or issued a different sequence of collectives" in res["error"]
     if action == "stall":
@@ -93,3 +93,12 @@ def test_ranks_running_different_numbers_of_forward_passes_fail_instead_of_hangi
     for e in errors:
         assert e.startswith(("CollectiveError: yashard: ", "CollectiveOrderError: ")), e
     assert all(rep[1]["seconds"] < 15 for rep in reports.values() if rep[0]), out
+
+
+def test_nccl_stream_waits_are_not_host_blocking():
+    # On NCCL, work.wait(timeout) blocks the host; only waits the host makes anyway get the timeout.
+    from yashard.collectives import wait_timeout
+    assert wait_timeout("cuda", 600.0, host=False) is None
+    assert wait_timeout("cuda", 600.0, host=True) == 600.0
+    assert wait_timeout("cpu", 600.0, host=False) == 600.0
+    assert wait_timeout("cpu", None, host=True) is None

@@ -125,6 +125,7 @@ def shard(model: nn.Module, *, config: ShardConfig | None = None, process_group=
     comm.log.track = config.debug_collectives
     spec = resolve_spec(model)
     device = _pick_device(config, comm)
+    comm.device_type = device.type
     if device.type == "cuda" and "nccl" not in comm.backend:
         raise ValueError(
             f"device {device} needs an NCCL process group, but the group's backend is {comm.backend}: "

@@ -251,7 +251,7 @@ def _runtime(model, what: str) -> "Runtime":
 def _agree(comm: "Comm", what: str, err: BaseException | None, payload: Any = None) -> list:
     """Share every rank's error and ``payload``; raise on every rank if any rank failed."""
     msg = None if err is None else f"{type(err).__name__}: {err}"
-    got = comm.all_gather_object((msg, payload))
+    got = comm.all_gather_object((msg, payload), what)
     if err is not None:
         raise err
     for r, (m, _) in enumerate(got):

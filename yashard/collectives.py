@@ -16,6 +16,7 @@ live on the ranks of ``replica_group`` (hybrid sharding), and hpZ's backward gat
 from __future__ import annotations
 
 import datetime
+import pickle
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
@@ -32,6 +33,12 @@ _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 class CollectiveError(RuntimeError):
     """A collective failed or did not finish in time; the message names the layer and phase."""
+
+
+def wait_timeout(device_type: str, timeout: float | None, host: bool) -> float | None:
+    """The timeout to pass to a wait (see :meth:`Comm.wait`): none for a wait on a CUDA
+    collective that only orders streams, ``timeout`` otherwise."""
+    return None if device_type == "cuda" and not host else timeout
 
 
 def wait_work(work, what: str, timeout: float | None):
@@ -169,6 +176,8 @@ class Comm:
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
         self.backend = str(dist.get_backend(self.group))
+        # where the collectives' tensors live; yashard.shard sets it to the device it picked
+        self.device_type = "cuda" if "nccl" in self.backend and torch.cuda.is_available() else "cpu"
         self.log = CollectiveLog()
         self.timeout = timeout  # seconds a wait may take before it raises (None: the group's own timeout)
         self._gloo: dict[int, bool] = {}
@@ -289,9 +298,17 @@ class Comm:
         self.wait(work, f"all_reduce of {unit}")
         return None
 
-    def wait(self, work, what: str):
-        """:func:`wait_work` with this rank's coordinates and timeout."""
-        return wait_work(work, f"{what} on rank {self.rank} of {self.world}", self.timeout)
+    def wait(self, work, what: str, *, host: bool = False):
+        """:func:`wait_work` with this rank's coordinates and the timeout that applies.
+
+        Stream rule: on CUDA (NCCL), ``work.wait()`` only makes the current stream wait, but
+        ``work.wait(timeout)`` blocks the host until the collective finished, which would stop the
+        host from queuing compute while communication runs. So on CUDA ``collective_timeout``
+        bounds only waits the host makes anyway (``host=True``: checks, checkpoints, exports);
+        the others rely on the process group's own timeout (NCCL's watchdog). On CPU (gloo) every
+        wait blocks the host and every wait is bounded."""
+        return wait_work(work, f"{what} on rank {self.rank} of {self.world}",
+                         wait_timeout(self.device_type, self.timeout, host))
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, unit: str, group: dist.ProcessGroup | None = None):
         """Async ``all_to_all_single`` over ``group`` (default: the shard group): ``inp`` is cut into
@@ -311,11 +328,18 @@ class Comm:
         """Every rank's ``t`` (whole data-parallel group) stacked along a new first dimension;
         blocking, bounded by ``timeout``. Not logged: for the runtime's own checks."""
         out = torch.empty(self.world * t.numel(), dtype=t.dtype, device=t.device)
-        self.wait(_all_gather(out, t.reshape(-1), group=self.group, async_op=True), what)
+        self.wait(_all_gather(out, t.reshape(-1), group=self.group, async_op=True), what, host=True)
         return out.view(self.world, *t.shape)
 
-    def all_gather_object(self, obj) -> list:
-        """Every rank's picklable ``obj`` (whole data-parallel group), for small metadata only."""
-        out = [None] * self.world
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+    def all_gather_object(self, obj, what: str = "all_gather_object") -> list:
+        """Every rank's picklable ``obj`` (whole data-parallel group), for small metadata only;
+        blocking and bounded by ``timeout`` (``dist.all_gather_object`` has no timeout). Not
+        logged. The ranks of one job trust each other: the payloads are pickles."""
+        dev = torch.device("cuda", torch.cuda.current_device()) if self.device_type == "cuda" else torch.device("cpu")
+        data = pickle.dumps(obj)
+        size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
+        sizes = self.all_gather_tensor(size, f"{what} (sizes)").view(-1).tolist()
+        buf = torch.zeros(max(sizes), dtype=torch.uint8)
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        got = self.all_gather_tensor(buf.to(dev), what).cpu()
+        return [pickle.loads(got[i, :n].numpy().tobytes()) for i, n in enumerate(sizes)]

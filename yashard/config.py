@@ -57,7 +57,9 @@ class ShardConfig:
             :class:`yashard.CollectiveOrderError` at the first divergence. Off by default; cheap on.
         collective_timeout: seconds any wait for a collective may take before it raises
             :class:`yashard.CollectiveError` naming the layer and phase (a dead or stalled rank).
-            ``None`` leaves it to the process group's timeout.
+            On CUDA only the waits the host makes anyway (checks, checkpoints, exports): a timed
+            NCCL wait blocks the host, so the training collectives are left to the process
+            group's timeout (NCCL's watchdog). ``None`` leaves every wait to that timeout.
     """
 
     param_dtype: torch.dtype = torch.float32

@@ -151,7 +151,7 @@ def _nonfinite_message(rt, fwd: torch.Tensor, grad: torch.Tensor) -> str:
 
 def _raise_divergence(rt) -> None:
     """Find the first collective where a rank's sequence differs from rank 0's, and raise."""
-    seqs = rt.comm.all_gather_object(list(rt.comm.log.sequence))
+    seqs = rt.comm.all_gather_object(list(rt.comm.log.sequence), "collective order check")
     ref = seqs[0]
     for r, seq in enumerate(seqs[1:], 1):
         k = next((i for i, (a, b) in enumerate(zip(ref, seq)) if a != b), min(len(ref), len(seq)))

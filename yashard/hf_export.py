@@ -135,7 +135,7 @@ def export_hf(model, path: str | os.PathLike, *, dtype: torch.dtype | None = Non
     with torch.no_grad():
         for i, u in enumerate(units):
             flat = torch.empty(u.layout.padded, dtype=torch.float32, device=u.master.device)
-            comm.wait(comm.all_gather(flat, u.master.detach().contiguous(), u.name), f"all_gather of {u.name} (export_hf)")
+            comm.wait(comm.all_gather(flat, u.master.detach().contiguous(), u.name), f"all_gather of {u.name} (export_hf)", host=True)
             if comm.rank != 0 or err is not None:
                 continue  # keep joining the gathers: every rank issues the same collectives
             writer = None

@@ -70,7 +70,6 @@ class Runtime:
         self._workspaces: dict[str, torch.Tensor] = {}   # comm hooks' persistent scratch buffers
         self._bucket_index = 0
         self._cast_versions: tuple | None = None   # master versions the param_dtype shards were cast at
-        self._early_versions: tuple | None = None  # master versions of the gathers issued after a step
         self._fwd_cursor = 0
         self._bwd_last_layer: int | None = None
         self._hooks = []
@@ -349,6 +348,7 @@ class Runtime:
                     secondary, h = unit.secondary, comm.topology.secondary_rank
                     on_done = functools.partial(_keep_secondary, secondary, out, h)
                     unit.secondary_fwd = self.grad_fwd_id
+        unit.gathered_version = unit.master._version
         unit.gathered = Pending(self.streams, work, on_done,
                                 functools.partial(comm.wait, what=_What("all_gather", unit.name, self._phase_state())))
         slot.owner = unit
@@ -368,10 +368,13 @@ class Runtime:
 
     # ------------------------------------------------------------------ forward
     def _root_pre_forward(self, module, args):
-        """Start of a forward: refresh gather sources, gather the norm group and the first unit
-        (unless :meth:`after_optimizer_step` already did, for these very masters)."""
-        early = self._early_versions
-        self._early_versions = None
+        """Start of a forward: refresh gather sources, gather the norm group and the first unit.
+
+        A unit whose slot still holds its weights, gathered from the masters as they are now
+        (same ``_version``), is not gathered again: the norm group (its own slot) is gathered once
+        per optimizer step, however many micro-batches it has; so are the units gathered right
+        after the step (:meth:`after_optimizer_step`) and, with gradient accumulation, the layers
+        the previous backward left in the slots."""
         self._drain()
         self.streams.capture_compute()
         grad = torch.is_grad_enabled()
@@ -379,10 +382,10 @@ class Runtime:
             self.grad_fwd_id += 1
         self._fwd_cursor = 0
         self._bwd_last_layer = None
-        versions = self._refresh_sources()
+        self._refresh_sources()
         for u in self.units:
-            if early != versions or (u is not self.small and u is not self.forward_order[0]):
-                u.gathered = None  # masters may have changed since these weights were gathered
+            if u.slot.owner is not u or u.gathered_version != u.master._version:
+                u.gathered = None  # masters changed (optimizer step, load) or the slot was reused
             if grad:
                 u.fwd_version = u.master._version
         if self.norm_group is not None:
@@ -409,18 +412,17 @@ class Runtime:
         """Run by the optimizer step post-hook (:mod:`yashard.guards`): start gathering the norm
         group and the first unit of the next forward now, so they travel while the host does
         whatever comes between steps (logging, data, ``zero_grad``). The next forward uses them
-        only if the masters have not changed since (compared by version counters)."""
+        only if the masters have not changed since (``gathered_version``)."""
         if self.in_backward or not self.forward_order:
             return
         self._drain()
         self.streams.capture_compute()
-        versions = self._refresh_sources()
+        self._refresh_sources()
         for u in self.units:
             u.gathered = None
         if self.small is not None:
             self.gather(self.small)
         self.gather(self.forward_order[0])
-        self._early_versions = versions
 
     def _pre_forward(self, unit: Unit, module, args, kwargs):
         if unit.kind == "layer":
@@ -711,7 +713,7 @@ class Runtime:
             else:
                 raise ValueError(f"what must be 'params' or 'grads', got {what!r}")
             flat = torch.empty(u.layout.padded, dtype=torch.float32, device=self.device)
-            self.comm.wait(self.comm.all_gather(flat, shard.contiguous(), u.name), f"all_gather of {u.name} ({what})")
+            self.comm.wait(self.comm.all_gather(flat, shard.contiguous(), u.name), f"all_gather of {u.name} ({what})", host=True)
             for entry, fqns in zip(u.layout.entries, u.fqns):
                 t = flat[entry.offset : entry.end].view(entry.shape).clone()
                 for fqn in fqns:

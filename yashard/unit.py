@@ -52,6 +52,7 @@ class Unit:
         self.token = torch.empty(0, device=master.device, requires_grad=True)
         # Per-pass state.
         self.gathered: "Pending | None" = None
+        self.gathered_version = -1  # master._version of the shards ``gathered`` was gathered from
         self.fwd_id = -1            # id of the last grad-enabled forward this unit ran in
         self.fwd_version = -1       # master._version at that forward
         self.next_forward: Unit | None = None

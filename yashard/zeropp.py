@@ -84,7 +84,7 @@ def qwz_all_gather(comm: Comm, out: torch.Tensor, shard: torch.Tensor, workspace
     ws = workspace[: world * lay.nbytes]
     mine = ws[rank * lay.nbytes:(rank + 1) * lay.nbytes]
     quantize_parts(shard, mine, nparts=1, bits=bits, block=block, backend=backend)
-    comm.all_gather(ws, mine, unit, group).wait()
+    comm.wait(comm.all_gather(ws, mine, unit, group), f"all_gather of {unit} (qwZ)")
     dequantize_parts(ws, nparts=world, numel=s, out=out, bits=bits, block=block, backend=backend)
 
 
@@ -197,12 +197,13 @@ def qgz_reduce_scatter(comm: Comm, out: torch.Tensor, full: torch.Tensor, worksp
     kw = dict(bits=bits, block=block, backend=backend)
     quantize_parts(full, send, nparts=W, transpose=(nodes, L), **kw)  # step 1
     if L > 1:
-        comm.all_to_all(recv, send, f"{unit}/intra", intra_group).wait()  # step 2
+        comm.wait(comm.all_to_all(recv, send, f"{unit}/intra", intra_group), f"all_to_all of {unit} (qgZ, in-node)")  # 2
         if nodes == 1:
             dequantize_parts(recv, nparts=1, numel=c, out=out, nreduce=L, reduce_stride=P, **kw)
             return
         # step 3: recv holds L segments (one per local source) of `nodes` parts; sum them, requantize.
         dequantize_parts(recv, nparts=nodes, numel=c, requant=send[: nodes * P], nreduce=L,
                          reduce_stride=nodes * P, **kw)
-    comm.all_to_all(recv[: nodes * P], send[: nodes * P], f"{unit}/inter", inter_group).wait()  # step 4
+    comm.wait(comm.all_to_all(recv[: nodes * P], send[: nodes * P], f"{unit}/inter", inter_group),
+              f"all_to_all of {unit} (qgZ, across nodes)")  # step 4
     dequantize_parts(recv[: nodes * P], nparts=1, numel=c, out=out, nreduce=nodes, reduce_stride=P, **kw)  # 5

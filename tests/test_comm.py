@@ -147,19 +147,27 @@ def test_paper_volume_table_cross_node_bytes():
 
 def test_200_step_convergence_of_every_mode():
     """A tiny model trained 200 steps on real text (bytes of a standard-library module) in each mode
-    ends within 1% of the default's final loss (measured: hybrid and hpZ bitwise equal, qwZ int8
-    0.06%, qgZ int8 0.3% apart at a final loss of 2.08, from 5.59)."""
+    ends within 1% of the default's final loss; int4 gradients (qgZ int4, alone or with qwZ and hpZ)
+    within 3%. Measured, final loss 2.078 from 5.59: hybrid and hpZ bitwise equal to the default,
+    qwZ int8 0.06%, qgZ int8 0.3%, bf16 / fp16 compression 0.25% / 0.16% apart; qgZ int4 +2.4% at
+    block 256 (+1.4% at block 16, -1.1% at block 64): 4-bit gradients of a 2-layer, 32-wide model
+    move its trajectory by about 1-2.5%, more than the 1% the int8 modes meet."""
     common = dict(steps=200, micro=2, seq=32, lr=3e-3, text=True,
                   overrides={"num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64, "vocab_size": 256})
-    modes = [dict(), dict(shard_kw={"shard_group_size": 2}), dict(shard_kw={"secondary_group_size": 2}),
-             dict(shard_kw={"quantized_weights": 8, "quant_block": 256}),
-             dict(hook="qgz", hook_kw={"ranks_per_node": 2, "bits": 8, "block": 256})]
-    scenarios = [scenario(**common, **m) for m in modes]
-    results = run_distributed(run_many, 4, scenarios, timeout=600)[0]
+    qgz4 = dict(hook="qgz", hook_kw={"ranks_per_node": 2, "bits": 4, "block": 256})
+    modes = [  # (mode, bound)
+        (dict(), 0.0), (dict(shard_kw={"shard_group_size": 2}), 0.01), (dict(shard_kw={"secondary_group_size": 2}), 0.01),
+        (dict(shard_kw={"quantized_weights": 8, "quant_block": 256}), 0.01),
+        (dict(hook="qgz", hook_kw={"ranks_per_node": 2, "bits": 8, "block": 256}), 0.01),
+        (dict(hook="bf16_compress"), 0.01), (dict(hook="fp16_compress"), 0.01),
+        (qgz4, 0.03), (dict(shard_kw={"quantized_weights": 8, "quant_block": 256, "secondary_group_size": 2}, **qgz4), 0.03),
+    ]
+    scenarios = [scenario(**common, **m) for m, _ in modes]
+    results = run_distributed(run_many, 4, scenarios, timeout=900)[0]
     final = [sum(r["losses"][-10:]) / 10 for r in results]
     assert final[0] < 0.7 * results[0]["losses"][0], "the default did not learn"
-    for m, f in zip(modes[1:], final[1:]):
-        assert abs(f - final[0]) / final[0] < 0.01, (m, f, final[0])
+    for (m, bound), f in zip(modes[1:], final[1:]):
+        assert abs(f - final[0]) / final[0] < bound, (m, f, final[0])
 
 
 @pytest.mark.parametrize("case", ["twice", "after_forward", "not_callable", "bad_return", "bad_size"])

@@ -364,10 +364,9 @@ def train_loop(s: Session, profiler=None) -> list[dict]:
     log_file = open(s.out_dir / "log.jsonl", "a" if s.start_step else "w") if s.is_main else None
     history: list[dict] = []
     s.model.train()
-    bar = tqdm(range(s.start_step, cfg.steps), initial=s.start_step, total=cfg.steps,
-               disable=not s.is_main, dynamic_ncols=True, desc="train")
+    bar = tqdm(initial=s.start_step, total=cfg.steps, disable=not s.is_main, dynamic_ncols=True, desc="train")
     train_time = 0.0  # seconds spent in training steps (evaluation excluded)
-    for step in bar:
+    for step in range(s.start_step, cfg.steps):
         lr = lr_at(step, lr=cfg.lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps, min_lr_ratio=cfg.min_lr_ratio)
         for group in s.opt.param_groups:
             group["lr"] = lr
@@ -412,7 +411,8 @@ def train_loop(s: Session, profiler=None) -> list[dict]:
             log_file.write(json.dumps(record) + "\n")
             log_file.flush()
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
-                            mem=f"{memory_mb(device):.0f}MB")
+                            mem=f"{memory_mb(device):.0f}MB", refresh=False)
+        bar.update(1)  # counted here, so a run that stops (--stop-at, last step) shows its last step
         if stop:
             break
     bar.close()

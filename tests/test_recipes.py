@@ -10,6 +10,7 @@ import json
 import math
 import os
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -36,6 +37,8 @@ TINY_CONFIG = {
     "bos_token_id": 257, "eos_token_id": 258, "pad_token_id": 256,
 }
 COMMON = ["--seq-len", "64", "--max-bytes", "300000", "--micro-batch", "4"]
+# pretraining accumulates two micro-batches per step: accumulation runs end to end in a recipe
+PRETRAIN_ARGS = [*COMMON, "--accum-steps", "2"]
 PRETRAIN_STEPS, SFT_STEPS = 16, 10
 
 
@@ -50,14 +53,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_recipe(script: str, *args: str) -> str:
-    """torchrun --nproc_per_node 2 recipes/<script> args...; returns stdout, fails with its output."""
+def run_recipe(script: str, *args: str, stderr_to: Path | None = None) -> str:
+    """torchrun --nproc_per_node 2 recipes/<script> args...; returns stdout (stderr goes to
+    ``stderr_to`` when given), fails with its output."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
            "--master_port", str(_free_port()), str(ROOT / "recipes" / script), *args]
     pythonpath = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(pythonpath), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    if stderr_to is not None:
+        stderr_to.write_text(proc.stderr)
     return proc.stdout
 
 
@@ -71,7 +77,7 @@ def pretrain_run(tmp_path_factory):
     (tmp / "config.json").write_text(json.dumps(TINY_CONFIG))
     out = tmp / "out"
     stdout = run_recipe("pretrain.py", "--config", str(tmp / "config.json"), "--steps", str(PRETRAIN_STEPS),
-                        "--eval-every", "8", "--out-dir", str(out), *COMMON)
+                        "--eval-every", "8", "--out-dir", str(out), *PRETRAIN_ARGS, stderr_to=tmp / "stderr.txt")
     return out, stdout
 
 
@@ -124,7 +130,7 @@ def test_pretrain_log_and_loss_trend(pretrain_run):
     first, last = [r["loss"] for r in log[:4]], [r["loss"] for r in log[-4:]]
     assert sum(last) / 4 < sum(first) / 4 - 0.3, [r["loss"] for r in log]
     assert log[-1]["eval_loss"] < log[7]["eval_loss"]
-    assert "random init from" in stdout and "global batch 8 x 64 = 512 tokens/step" in stdout
+    assert "random init from" in stdout and "global batch 16 x 64 = 1,024 tokens/step" in stdout
     _check_png(out / "loss.png")
 
 
@@ -156,7 +162,7 @@ def test_stop_and_resume_reproduce_the_uninterrupted_run_bitwise(pretrain_run, t
     (tmp_path / "config.json").write_text(json.dumps(TINY_CONFIG))
     out = tmp_path / "out"
     args = ["--config", str(tmp_path / "config.json"), "--steps", str(PRETRAIN_STEPS), "--eval-every", "8",
-            "--out-dir", str(out), *COMMON]
+            "--out-dir", str(out), *PRETRAIN_ARGS]
     run_recipe("pretrain.py", *args, "--stop-at", "10")
     assert (out / "checkpoint" / "LATEST").exists() and not (out / "final").exists()
     assert [r["step"] for r in read_log(out / "log.jsonl")] == list(range(1, 11))
@@ -411,3 +417,12 @@ def test_model_size_presets():
     assert sum(p.numel() for p in model.parameters()) == 804736 and model.config.hidden_size == 128
     with pytest.raises(ValueError, match="unknown model size 'huge'; choose one of tiny, small, base"):
         train.preset_config("huge", tok, 128)
+
+
+def test_progress_bar_on_rank_0_only(pretrain_run):
+    stderr = (pretrain_run[0].parent / "stderr.txt").read_text()
+    states = [line.strip() for line in stderr.replace("\r", "\n").splitlines() if line.strip().startswith("train:")]
+    done = [line for line in states if f"{PRETRAIN_STEPS}/{PRETRAIN_STEPS}" in line]
+    assert done, stderr[-2000:]
+    assert all(re.search(rf"{key}=\d", done[-1]) for key in ("loss", "tok_s", "mem")), done[-1]
+    assert sum(line.startswith("train:   0%") for line in states) <= 1, "more than one rank drew a progress bar"

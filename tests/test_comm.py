@@ -29,6 +29,8 @@ def test_exact_modes_match_the_reference_at_world_4():
         "hybrid": dict(shard_kw={"shard_group_size": 2}),
         "hpz": dict(shard_kw={"secondary_group_size": 2}),
         "hybrid+hpz": dict(shard_kw={"shard_group_size": 2, "secondary_group_size": 1}),
+        # same global batch in two micro-batches: the secondary shards stay valid across them
+        "hpz+accum": dict(shard_kw={"secondary_group_size": 2}, micro=1, accum=2),
     }
     scenarios = [scenario(family="qwen2", overrides=H44, steps=4, log_step=1, **kw) for kw in modes.values()]
     results = run_distributed(run_many, 4, scenarios)
@@ -38,7 +40,7 @@ def test_exact_modes_match_the_reference_at_world_4():
         assert res["plan"] == res["allocated"], name  # the memory plan covers the secondary shards too
         assert all(p == res["ptrs"][0] for p in res["ptrs"]), name
     for rank_results in results:
-        hook, hybrid, hpz, both = (r["log"] for r in rank_results)
+        hook, hybrid, hpz, both, hpz_accum = (r["log"] for r in rank_results)
         # hybrid: gathers and reduce-scatters stay in the shard group; shards are all-reduced across it
         assert {r[5] for r in hybrid if r[1] in ("all_gather", "reduce_scatter")} == {"shard"}
         assert _bytes(hybrid, op="all_reduce", group="replica") > 0
@@ -47,6 +49,9 @@ def test_exact_modes_match_the_reference_at_world_4():
         assert _bytes(hpz, "fwd", "all_gather", "world") > 0 and _bytes(hpz, "bwd", "all_gather", "world") == 0
         assert _bytes(hpz, "bwd", "all_gather", "secondary") > 0
         assert _bytes(hpz, "bwd", "all_gather", "secondary") == _bytes(hook, "bwd", "all_gather", "world")
+        # with accumulation too, including the layers the second forward found still in their slots
+        assert _bytes(hpz_accum, "bwd", "all_gather", "world") == 0
+        assert _bytes(hpz_accum, "bwd", "all_gather", "secondary") == 2 * _bytes(hpz, "bwd", "all_gather", "secondary")
         # secondary group of one rank: the backward re-gather is a local copy through a 1-rank group
         assert _bytes(both, "bwd", "all_gather", "shard") == 0
     # replicas hold identical shards and all ranks end with the same model

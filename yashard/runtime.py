@@ -335,7 +335,7 @@ class Runtime:
             if slot.release is not None:
                 self.streams.comm.wait_event(slot.release)
             out = slot.weights_io.narrow(0, 0, unit.layout.padded)
-            if self.in_backward and unit.secondary is not None and unit.secondary_fwd == self.grad_fwd_id:
+            if self.in_backward and unit.secondary is not None and unit.secondary_version == unit.master._version:
                 work = comm.all_gather(out, unit.secondary, unit.name, comm.secondary_group)
             else:
                 if unit.kind != "small" and self.config.quantized_weights:
@@ -347,7 +347,7 @@ class Runtime:
                 if unit.secondary is not None and torch.is_grad_enabled() and not self.in_backward:
                     secondary, h = unit.secondary, comm.topology.secondary_rank
                     on_done = functools.partial(_keep_secondary, secondary, out, h)
-                    unit.secondary_fwd = self.grad_fwd_id
+                    unit.secondary_version = unit.master._version
         unit.gathered_version = unit.master._version
         unit.gathered = Pending(self.streams, work, on_done,
                                 functools.partial(comm.wait, what=_What("all_gather", unit.name, self._phase_state())))

@@ -47,7 +47,7 @@ class Unit:
         self.grad_storage = torch.zeros_like(master, memory_format=torch.contiguous_format)
         self.gather_src = master    # replaced by a param_dtype copy when param_dtype != fp32
         self.secondary: torch.Tensor | None = None  # hpZ: this rank's secondary slice of the gathered unit
-        self.secondary_fwd = -1     # the forward whose weights ``secondary`` holds
+        self.secondary_version = -1  # master._version of the weights ``secondary`` holds
         self.order = -1             # position in runtime.units (index of its check flags)
         self.token = torch.empty(0, device=master.device, requires_grad=True)
         # Per-pass state.

@@ -53,15 +53,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _torchrun(script: Path, args, env_extra=None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--master_port", str(_free_port()), str(script), *args]
+    pythonpath = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(pythonpath), "OMP_NUM_THREADS": "1", **(env_extra or {})}
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
 def run_recipe(script: str, *args: str, stderr_to: Path | None = None) -> str:
     """torchrun --nproc_per_node 2 recipes/<script> args...; returns stdout (stderr goes to
     ``stderr_to`` when given), fails with its output."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_port", str(_free_port()), str(ROOT / "recipes" / script), *args]
-    pythonpath = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(pythonpath), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    proc = _torchrun(ROOT / "recipes" / script, args)
+    assert proc.returncode == 0, f"{script} {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     if stderr_to is not None:
         stderr_to.write_text(proc.stderr)
     return proc.stdout
@@ -417,6 +421,25 @@ def test_model_size_presets():
     assert sum(p.numel() for p in model.parameters()) == 804736 and model.config.hidden_size == 128
     with pytest.raises(ValueError, match="unknown model size 'huge'; choose one of tiny, small, base"):
         train.preset_config("huge", tok, 128)
+
+
+def test_resume_after_a_crash_reproduces_the_uninterrupted_run(pretrain_run, tmp_path):
+    """Every rank is SIGKILLed as step 14 starts (13 steps logged, the checkpoint of step 10 on
+    disk); --resume goes back to step 10 and logs exactly what the uninterrupted run logged."""
+    full_out, _ = pretrain_run
+    (tmp_path / "config.json").write_text(json.dumps(TINY_CONFIG))
+    out = tmp_path / "out"
+    args = ["--config", str(tmp_path / "config.json"), "--steps", str(PRETRAIN_STEPS), "--eval-every", "8",
+            "--save-every", "10", "--out-dir", str(out), *PRETRAIN_ARGS]
+    crashed = _torchrun(ROOT / "tests" / "crash_pretrain.py", args, {"YASHARD_TEST_KILL_AT": "13"})
+    assert crashed.returncode != 0, crashed.stdout[-2000:]
+    assert [r["step"] for r in read_log(out / "log.jsonl")] == list(range(1, 14))
+    assert not (out / "final").exists()
+    stdout = run_recipe("pretrain.py", *args, "--resume", "true")
+    assert "after step 10" in stdout
+    keys = ("step", "loss", "lr", "grad_norm", "eval_loss")
+    resumed = [{k: r.get(k) for k in keys} for r in read_log(out / "log.jsonl")]
+    assert resumed == [{k: r.get(k) for k in keys} for r in read_log(full_out / "log.jsonl")]
 
 
 def test_progress_bar_on_rank_0_only(pretrain_run):

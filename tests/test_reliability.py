@@ -7,6 +7,9 @@ ShardConfig in test_errors.py.)
 import re
 
 import pytest
+import torch
+
+import yashard
 
 from harness import run_distributed, run_until_exit
 from reliability_workers import (die_or_stall, guard_run, lm_head_too_early, nonfinite,
@@ -102,3 +105,28 @@ def test_nccl_stream_waits_are_not_host_blocking():
     assert wait_timeout("cuda", 600.0, host=True) == 600.0
     assert wait_timeout("cpu", 600.0, host=False) == 600.0
     assert wait_timeout("cpu", None, host=True) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_fused_optimizer_step_reaches_the_next_forward(pg, dtype):
+    # torch's fused optimizers update parameters without bumping their version counters
+    from models import build
+
+    sm = yashard.shard(build(), config=yashard.ShardConfig(param_dtype=dtype))
+    opt = torch.optim.AdamW(sm.parameters(), lr=1e-2, fused=True)
+    ids = torch.randint(0, 96, (2, 8))
+    for _ in range(2):  # two micro-batches: the second forward reuses the layers still in the slots
+        sm(input_ids=ids, labels=ids).loss.backward()
+    before = [u.master.detach().clone() for u in sm.runtime.units]
+    opt.step()
+    opt.zero_grad()
+    assert any(not torch.equal(b, u.master) for b, u in zip(before, sm.runtime.units))
+    loss = sm(input_ids=ids, labels=ids).loss.item()
+    for u in sm.runtime.units:  # the gathered copies were made from the stepped masters
+        assert torch.equal(u.gather_src, u.master.detach().to(dtype)), u.name
+    ref = build()
+    ref.load_state_dict(sm.full_state_dict(), strict=False)
+    ref.tie_weights()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        ref_loss = ref(input_ids=ids, labels=ids).loss.item()
+    assert abs(loss - ref_loss) < (1e-5 if dtype == torch.float32 else 2e-2) * abs(ref_loss), (loss, ref_loss)

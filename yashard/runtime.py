@@ -412,7 +412,13 @@ class Runtime:
         """Run by the optimizer step post-hook (:mod:`yashard.guards`): start gathering the norm
         group and the first unit of the next forward now, so they travel while the host does
         whatever comes between steps (logging, data, ``zero_grad``). The next forward uses them
-        only if the masters have not changed since (``gathered_version``)."""
+        only if the masters have not changed since (``gathered_version``).
+
+        Fused torch optimizers (``fused=True``) update the masters without bumping their version
+        counters, so the step bumps them here: every version-keyed cache (the ``param_dtype``
+        copies, gathered weights, hpZ secondary shards) sees the masters as changed."""
+        for u in self.units:
+            torch.autograd.graph.increment_version(u.master)
         if self.in_backward or not self.forward_order:
             return
         self._drain()

@@ -142,6 +142,24 @@ def test_plain_sequential_has_no_decoder_structure(pg):
     assert "AutoModelForCausalLM" in msg
 
 
+def test_unlisted_model_type_of_the_usual_shape_is_sharded_by_the_generic_spec(pg):
+    from yashard.patch import FAMILIES
+
+    model, ref = build(), build()
+    model.config.model_type = "my_llama_variant"  # not in FAMILIES: the generic spec must take it
+    assert "my_llama_variant" not in FAMILIES
+    sm = yashard.shard(model)
+    ids = torch.randint(0, 96, (2, 8))
+    loss = sm(input_ids=ids, labels=ids).loss
+    loss.backward()
+    ref_loss = ref(input_ids=ids, labels=ids).loss
+    ref_loss.backward()
+    assert abs(loss.item() - ref_loss.item()) < 1e-6 * abs(ref_loss.item())
+    grads = sm.full_grads()
+    for name, p in ref.named_parameters():
+        assert torch.allclose(grads[name], p.grad, rtol=1e-5, atol=1e-7), name
+
+
 def test_hf_model_without_lm_head(pg):
     model = build()
     del model.lm_head

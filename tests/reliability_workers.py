@@ -167,3 +167,21 @@ def uneven_micro_batches(rank, world):
     except (yashard.CollectiveError, yashard.CollectiveOrderError) as e:
         return dict(error=f"{type(e).__name__}: {e}", seconds=time.monotonic() - t0)
     return dict(error=None, seconds=time.monotonic() - t0)
+
+
+def uneven_layers(rank, world):
+    """Rank 1's model runs 3 of its 4 decoder layers (the 4th is skipped): it raises OrderError at
+    once, and rank 0, left waiting in a collective, must raise too instead of hanging."""
+    from torch import nn
+
+    sm, opt = _setup(collective_timeout=10)
+    _step(sm, opt, rank, world, 0)
+    if rank == 1:
+        model = sm.module.model
+        model.layers = nn.ModuleList(list(model.layers)[:3])
+    t0 = time.monotonic()
+    try:
+        _step(sm, opt, rank, world, 1)
+    except (yashard.CollectiveError, yashard.OrderError) as e:
+        return dict(error=f"{type(e).__name__}: {e}", seconds=time.monotonic() - t0)
+    return dict(error=None, seconds=time.monotonic() - t0)

@@ -13,7 +13,7 @@ import yashard
 
 from harness import run_distributed, run_until_exit
 from reliability_workers import (die_or_stall, guard_run, lm_head_too_early, nonfinite,
-                                 nonfinite_skip_then_train, optimizer_before_shard, prefetch_after_step,
+                                 nonfinite_skip_then_train, optimizer_before_shard, prefetch_after_step, uneven_layers,
                                  uneven_micro_batches)
 
 
@@ -88,7 +88,7 @@ def test_gathers_issued_after_the_step_are_redone_when_the_masters_change():
 def test_ranks_running_different_numbers_of_forward_passes_fail_instead_of_hanging():
     """The collectives stop matching: gloo aborts the rank that receives a mismatched size, and
     the other raises CollectiveError; every process has ended well within the timeout."""
-    out = run_until_exit(uneven_micro_batches, 2, timeout=60, grace=20)
+    out = run_until_exit(uneven_micro_batches, 2, timeout=60, grace=20, wait_for=(0, 1))
     reports = {r: rep for r, (code, rep) in out.items() if rep is not None}
     errors = [rep[1]["error"] for rep in reports.values() if rep[0] and rep[1]["error"]]
     aborted = [r for r, (code, rep) in out.items() if code not in (0, None) and rep is None]
@@ -105,6 +105,20 @@ def test_nccl_stream_waits_are_not_host_blocking():
     assert wait_timeout("cuda", 600.0, host=True) == 600.0
     assert wait_timeout("cpu", 600.0, host=False) == 600.0
     assert wait_timeout("cpu", None, host=True) is None
+
+
+def test_ranks_running_different_numbers_of_layers_fail_instead_of_hanging():
+    out = run_until_exit(uneven_layers, 2, timeout=60, grace=20, wait_for=(0, 1))
+    (code0, rep0), (code1, rep1) = out[0], out[1]
+    assert rep1 is not None and rep1[0], out  # the rank that skipped a layer names it
+    assert rep1[1]["error"].startswith("OrderError: lm_head ran after 3 of the 4 decoder layers "
+                                       "(model.layers.3 was expected next)"), rep1
+    # its peer either raises a CollectiveError within the timeout or is aborted by gloo
+    if rep0 is not None:
+        assert rep0[0] and rep0[1]["error"].startswith("CollectiveError: yashard: "), rep0
+        assert rep0[1]["seconds"] < 15, rep0
+    else:
+        assert code0 not in (0, None), out
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -41,16 +41,24 @@ def wait_timeout(device_type: str, timeout: float | None, host: bool) -> float |
     return None if device_type == "cuda" and not host else timeout
 
 
+def _wait(work, timeout: float | None):
+    """``work.wait()``, bounded by ``timeout`` seconds where the handle takes one: c10d work
+    handles take a timedelta, :class:`WorkFuture` and :class:`_Works` take seconds."""
+    if timeout is None:
+        return work.wait()
+    if isinstance(work, dist.Work):
+        return work.wait(timeout=datetime.timedelta(seconds=timeout))
+    if isinstance(work, (WorkFuture, _Works)):
+        return work.wait(timeout=timeout)
+    return work.wait()
+
+
 def wait_work(work, what: str, timeout: float | None):
     """Wait for ``work`` (a c10d work handle or a future), at most ``timeout`` seconds where the
     handle supports it; any failure becomes a :class:`CollectiveError` naming ``what`` (op, unit,
     phase, rank). Returns what ``wait()`` returned."""
     try:
-        if timeout is not None and isinstance(work, dist.Work):
-            return work.wait(timeout=datetime.timedelta(seconds=timeout))
-        if timeout is not None and isinstance(work, WorkFuture):
-            return work.wait(timeout=timeout)
-        return work.wait()
+        return _wait(work, timeout)
     except CollectiveError:
         raise
     except Exception as e:  # gloo/NCCL report timeouts and dead peers as RuntimeError
@@ -82,12 +90,7 @@ class WorkFuture:
     def wait(self, timeout: float | None = None):
         """Wait (at most ``timeout`` seconds where the work supports it), then compute the value."""
         if not self._done:
-            if timeout is not None and isinstance(self._work, dist.Work):
-                self._work.wait(timeout=datetime.timedelta(seconds=timeout))
-            elif timeout is not None and isinstance(self._work, (WorkFuture, _Works)):
-                self._work.wait(timeout=timeout)
-            else:
-                self._work.wait()
+            _wait(self._work, timeout)
             self._value = self._value_fn()
             self._done = True
             self._work = self._value_fn = None
@@ -115,7 +118,7 @@ class _Works:
 
     def wait(self, timeout: float | None = None) -> bool:
         for w in self.works:
-            w.wait(timeout=datetime.timedelta(seconds=timeout)) if timeout is not None else w.wait()
+            _wait(w, timeout)
         return True
 
 

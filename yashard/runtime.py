@@ -396,17 +396,16 @@ class Runtime:
             self._prefetch(self.forward_order[0])
         return None
 
-    def _refresh_sources(self) -> tuple:
+    def _refresh_sources(self) -> None:
         """Recast the param_dtype shards if the masters changed, and order every gather issued
         from now on after what compute did so far (the casts, the optimizer step, the previous
-        backward's last reads of the resident norm group: R1). Returns the masters' versions."""
+        backward's last reads of the resident norm group: R1)."""
         versions = tuple(u.master._version for u in self.units)
         if self.config.param_dtype != torch.float32 and versions != self._cast_versions:
             with torch.no_grad():  # masters changed (optimizer step, load): refresh the cast shards
                 torch._foreach_copy_([u.gather_src for u in self.units], [u.master for u in self.units])
             self._cast_versions = versions
         self.streams.comm.wait_event(self.streams.record(self.streams.compute))
-        return versions
 
     def after_optimizer_step(self) -> None:
         """Run by the optimizer step post-hook (:mod:`yashard.guards`): start gathering the norm

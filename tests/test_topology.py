@@ -4,15 +4,46 @@ import pytest
 import torch
 
 import yashard
-from yashard.topology import Topology, blocks, strided
+from yashard.topology import Topology, blocks, mesh_shard_groups
 
 
-def test_blocks_and_strided():
+def test_blocks():
     assert blocks(6, 2) == [[0, 1], [2, 3], [4, 5]]
-    assert strided(6, 2) == [[0, 2, 4], [1, 3, 5]]
-    assert blocks(4, 4) == [[0, 1, 2, 3]] and strided(4, 4) == [[0], [1], [2], [3]]
+    assert blocks(4, 4) == [[0, 1, 2, 3]]
+    assert Topology(6, 0, shard_size=2).replica_groups == [[0, 2, 4], [1, 3, 5]]
+    assert Topology(4, 0, shard_size=4).replica_groups == [[0], [1], [2], [3]]
     with pytest.raises(ValueError, match=r"group size 4 does not divide world size 6"):
         blocks(6, 4)
+
+
+def test_mesh_shard_groups():
+    assert mesh_shard_groups([[0, 1], [2, 3]]) == [[0, 1], [2, 3]]
+    assert mesh_shard_groups([[0, 2], [1, 3]]) == [[0, 2], [1, 3]]
+    # rows need not be ascending, as long as each column's ranks sit at one sorted position
+    assert mesh_shard_groups([[2, 0], [3, 1]]) == [[0, 2], [1, 3]]
+    with pytest.raises(ValueError, match=r"mesh column \[1, 2\] \(a replicate group\) pairs ranks that hold different "
+                                         r"shards: their positions in their shard groups \[\[0, 1\], \[2, 3\]\] are \[1, 0\]"):
+        mesh_shard_groups([[1, 0], [2, 3]])
+    with pytest.raises(ValueError, match=r"names a rank twice"):
+        mesh_shard_groups([[0, 1], [1, 2]])
+    with pytest.raises(ValueError, match=r"rows of equal, non-zero length"):
+        mesh_shard_groups([[0, 1], [2]])
+
+
+def test_topology_from_explicit_groups():
+    """Shard groups [0 2 4 6] and [1 3 5 7] (a transposed mesh): replicas pair equal positions,
+    secondary groups take consecutive positions of one shard group."""
+    groups = ((0, 2, 4, 6), (1, 3, 5, 7))
+    for rank in range(8):
+        t = Topology(8, rank, shard_size=4, secondary_size=2, groups=groups)
+        assert (t.replica_rank, t.shard_rank, t.replica_world) == (rank % 2, rank // 2, 2)
+        assert t.replica_groups == [[0, 1], [2, 3], [4, 5], [6, 7]]
+        assert t.secondary_groups == [[0, 2], [4, 6], [1, 3], [5, 7]]
+        assert rank in t.secondary_groups[2 * t.replica_rank + t.shard_rank // 2]
+        assert t.secondary_rank == t.shard_rank % 2
+    with pytest.raises(ValueError, match=r"shard groups \[\[0, 2\], \[1, 2\]\] must hold each of the 4 ranks once, "
+                                         r"2 per group"):
+        Topology(4, 0, shard_size=2, groups=((0, 2), (1, 2)))
 
 
 def test_topology_of_every_rank():

@@ -17,6 +17,7 @@ DEFAULTS = dict(
     family="llama", overrides={}, steps=10, micro=2, accum=1, seq=16, lr=1e-3, wd=0.1, clip=1.0,
     dtype="fp32", ckpt=0, grads_every_step=False, unused=None, zero_grad_none=True, seed=0,
     shard_kw={}, hook=None, hook_kw={}, log_step=None, reduce_dtype="fp32", data_cycle=None, text=False,
+    mesh=None,  # rows of ranks: a 2-D (replicate, shard) DeviceMesh; one row: a 1-D mesh
 )
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -82,9 +83,20 @@ def run_sharded(rank: int, world: int, s: dict) -> dict:
     vocab = model.config.vocab_size
     cfg = yashard.ShardConfig(param_dtype=DTYPES[s["dtype"]], reduce_dtype=DTYPES[s["reduce_dtype"]],
                               checkpoint_layers=s["ckpt"], **s["shard_kw"])
-    sm = yashard.shard(model, config=cfg)
+    mesh = None
+    if s["mesh"] is not None:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        rows = torch.tensor(s["mesh"])
+        mesh = (DeviceMesh("cpu", rows[0], mesh_dim_names=("shard",)) if len(rows) == 1
+                else DeviceMesh("cpu", rows, mesh_dim_names=("replicate", "shard")))
+    sm = yashard.shard(model, config=cfg, mesh=mesh)
     if s["hook"] is not None:
         _register_hook(sm, s["hook"], s["hook_kw"])
+    comm = sm.runtime.comm
+    groups = {k: dist.get_process_group_ranks(g) if g is not None else None
+              for k, g in (("shard", comm.shard_group), ("replica", comm.replica_group),
+                           ("secondary", comm.secondary_group))}
     log, logged = sm.collective_log(), []
     opt = torch.optim.AdamW(sm.param_groups(s["wd"]), lr=s["lr"])
     global_batch = s["micro"] * s["accum"] * world
@@ -111,7 +123,7 @@ def run_sharded(rank: int, world: int, s: dict) -> dict:
         opt.zero_grad(set_to_none=s["zero_grad_none"])
         ptrs.append({k: t.data_ptr() for k, t in sm.runtime.allocated_tensors().items()})
     params = sm.full_state_dict()
-    return dict(losses=losses, norms=norms, grads=grads, params=params, ptrs=ptrs, log=logged,
+    return dict(losses=losses, norms=norms, grads=grads, params=params, ptrs=ptrs, log=logged, groups=groups,
                 plan=sm.memory_plan().total_bytes,
                 allocated=sum(t.numel() * t.element_size() for t in sm.runtime.allocated_tensors().values()))
 

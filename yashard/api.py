@@ -7,6 +7,7 @@ import os
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from .collectives import Comm
 from .config import ShardConfig
@@ -93,9 +94,15 @@ class ShardedModel(nn.Module):
         return self._runtime.comm.log
 
 
-def shard(model: nn.Module, *, config: ShardConfig | None = None, process_group=None,
+def shard(model: nn.Module, *, config: ShardConfig | None = None, process_group=None, mesh=None,
           weights: str | os.PathLike | None = None) -> ShardedModel:
     """Shard every parameter of a HuggingFace decoder model across ``process_group``.
+
+    Which ranks shard together: all of ``process_group`` (default: the world); or groups of
+    ``config.shard_group_size`` consecutive ranks, replicated across the groups (hybrid sharding);
+    or a ``torch.distributed.DeviceMesh``, as FSDP2's ``fully_shard(mesh=...)`` takes it: a 1-D mesh
+    is the data-parallel group, a 2-D ``(replicate, shard)`` mesh shards along its second dim
+    (its rows) and replicates along its first (its columns), with the mesh's own process groups.
 
     Every rank must call this with the same architecture. Where the weights come from:
 
@@ -120,12 +127,19 @@ def shard(model: nn.Module, *, config: ShardConfig | None = None, process_group=
         config = ShardConfig()
     elif not isinstance(config, ShardConfig):
         raise TypeError(f"config must be a yashard.ShardConfig, got {type(config).__name__}")
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
     comm = Comm(process_group, shard_group_size=config.shard_group_size,
-                secondary_group_size=config.secondary_group_size, timeout=config.collective_timeout)
+                secondary_group_size=config.secondary_group_size, timeout=config.collective_timeout, mesh=mesh)
     comm.log.track = config.debug_collectives
     spec = resolve_spec(model)
     device = _pick_device(config, comm)
     comm.device_type = device.type
+    if mesh is not None and mesh.device_type != device.type:
+        raise ValueError(
+            f"the mesh is a {mesh.device_type!r} mesh but yashard runs on {device}; build it with "
+            f"init_device_mesh({device.type!r}, ...) or pass ShardConfig(device=...) on the mesh's device"
+        )
     if device.type == "cuda" and "nccl" not in comm.backend:
         raise ValueError(
             f"device {device} needs an NCCL process group, but the group's backend is {comm.backend}: "
@@ -144,7 +158,7 @@ def shard(model: nn.Module, *, config: ShardConfig | None = None, process_group=
 
 
 def from_pretrained(path: str | os.PathLike, *, config: ShardConfig | None = None, process_group=None,
-                    **model_kwargs) -> ShardedModel:
+                    mesh=None, **model_kwargs) -> ShardedModel:
     """Build the HF causal LM of a local checkpoint folder on the meta device and shard it from the
     folder's safetensors files; no rank ever holds the full model. ``model_kwargs`` go to
     ``AutoModelForCausalLM.from_config`` (e.g. ``attn_implementation="sdpa"``)."""
@@ -153,4 +167,4 @@ def from_pretrained(path: str | os.PathLike, *, config: ShardConfig | None = Non
     hf_config = AutoConfig.from_pretrained(os.fspath(path))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config, **{"dtype": torch.float32, **model_kwargs})
-    return shard(model, config=config, process_group=process_group, weights=path)
+    return shard(model, config=config, process_group=process_group, mesh=mesh, weights=path)

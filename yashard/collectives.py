@@ -24,7 +24,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 import torch.distributed as dist
 
-from .topology import Topology
+from .topology import Topology, mesh_shard_groups
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -168,13 +168,17 @@ class Comm:
     """
 
     def __init__(self, group: dist.ProcessGroup | None, *, shard_group_size: int | None = None,
-                 secondary_group_size: int | None = None, timeout: float | None = None):
+                 secondary_group_size: int | None = None, timeout: float | None = None, mesh=None):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "yashard.shard needs an initialised process group: call "
                 "torch.distributed.init_process_group() first (torchrun sets the environment; "
                 "use backend='gloo' on CPU, 'nccl' on CUDA)"
             )
+        if mesh is not None and mesh.ndim == 1:  # FSDP2's fully_shard(mesh=1-D): the mesh is the group
+            if group is not None:
+                raise ValueError("pass the data-parallel ranks once: process_group= or a 1-D mesh=, not both")
+            group = mesh.get_group(0)
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
@@ -184,13 +188,23 @@ class Comm:
         self.log = CollectiveLog()
         self.timeout = timeout  # seconds a wait may take before it raises (None: the group's own timeout)
         self._gloo: dict[int, bool] = {}
-        self.topology = topo = Topology(self.world, self.rank, shard_group_size or self.world, secondary_group_size)
+        groups = None
+        if mesh is not None and mesh.ndim != 1:
+            groups = self._mesh_shard_groups(mesh, shard_group_size)
+            shard_group_size = len(groups[0])
+        self.topology = topo = Topology(self.world, self.rank, shard_group_size or self.world, secondary_group_size,
+                                        groups=groups)
         # Units are laid out and sharded over the shard group (this rank is ``shard_rank`` of
         # ``shard_world``); ``replica_world`` shard groups hold identical copies (hybrid sharding).
         self.shard_rank, self.shard_world = topo.shard_rank, topo.shard_size
         self.replica_rank, self.replica_world = topo.replica_rank, topo.replica_world
-        self.shard_group = self.group if topo.shard_size == self.world else self.new_subgroups(topo.shard_groups)
-        self.replica_group = self.new_subgroups(topo.replica_groups) if topo.replica_world > 1 else None
+        if groups is not None:  # the mesh's own groups: its shard dim, then its replicate dim
+            self.shard_group = mesh.get_group(1)
+            self.replica_group = mesh.get_group(0) if topo.replica_world > 1 else None
+            self._check_mesh_group_order(mesh)
+        else:
+            self.shard_group = self.group if topo.shard_size == self.world else self.new_subgroups(topo.shard_groups)
+            self.replica_group = self.new_subgroups(topo.replica_groups) if topo.replica_world > 1 else None
         self.secondary_group = None
         if topo.secondary_size is not None:
             self.secondary_group = (self.shard_group if topo.secondary_size == topo.shard_size
@@ -202,6 +216,47 @@ class Comm:
             self._names.setdefault(id(self.secondary_group), "secondary")
 
     # ---- groups ---------------------------------------------------------------------------------
+    def _mesh_shard_groups(self, mesh, shard_group_size: int | None) -> tuple[tuple[int, ...], ...]:
+        """The shard groups (ranks of ``self.group``) of a 2-D ``(replicate, shard)`` device mesh."""
+        names = getattr(mesh, "mesh_dim_names", None)
+        if mesh.ndim != 2:
+            raise ValueError(
+                f"yashard takes a 1-D (shard) or 2-D (replicate, shard) device mesh, got a {mesh.ndim}-D mesh "
+                f"with dims {names}; pass the data-parallel dims only, e.g. mesh['dp_replicate', 'dp_shard']"
+            )
+        if shard_group_size is not None:
+            raise ValueError(
+                f"ShardConfig(shard_group_size={shard_group_size}) and the 2-D mesh (shape "
+                f"{tuple(mesh.mesh.shape)}, dims {names}) both set the shard groups; pass one of them "
+                f"(the mesh's shard dim makes groups of {mesh.mesh.shape[1]})"
+            )
+        members = dist.get_process_group_ranks(self.group)
+        rows = mesh.mesh.tolist()
+        if sorted(r for row in rows for r in row) != sorted(members):
+            raise ValueError(
+                f"the mesh covers ranks {sorted(r for row in rows for r in row)} but the process group has "
+                f"ranks {sorted(members)}; pass process_group= a group of exactly the mesh's ranks (or a "
+                "mesh over the whole world)"
+            )
+        return tuple(tuple(g) for g in mesh_shard_groups([[members.index(r) for r in row] for row in rows]))
+
+    def _check_mesh_group_order(self, mesh) -> None:
+        """The mesh's groups must order their ranks as the topology does (process groups sort by rank)."""
+        members = dist.get_process_group_ranks(self.group)
+        topo = self.topology
+        for what, group, want in (("shard", self.shard_group, topo.shard_groups[topo.replica_rank]),
+                                  ("replicate", self.replica_group,
+                                   topo.replica_groups[topo.shard_rank] if self.replica_group is not None else None)):
+            if group is None:
+                continue
+            got = dist.get_process_group_ranks(group)
+            if got != [members[r] for r in want]:
+                raise RuntimeError(
+                    f"the mesh's {what} group orders its ranks {got}, yashard expects {[members[r] for r in want]}; "
+                    "build the mesh with torch.distributed.device_mesh.init_device_mesh or DeviceMesh(...) "
+                    "so that its groups come from the mesh's rows and columns"
+                )
+
     def new_subgroups(self, rank_lists: list[list[int]]) -> dist.ProcessGroup | None:
         """Create one process group per list of ``group`` ranks, in order, and return the one this
         rank belongs to (None if none). Collective: every rank of ``group`` calls it with the same
@@ -216,10 +271,9 @@ class Comm:
     def new_shard_subgroups(self, rank_lists: list[list[int]]) -> dist.ProcessGroup | None:
         """Like :meth:`new_subgroups` with lists of *shard* ranks: the same structure is created
         inside every shard group (hybrid sharding has several); returns this rank's group."""
-        size = self.shard_world
         mine = None
-        for g in range(self.replica_world):
-            got = self.new_subgroups([[g * size + r for r in ranks] for ranks in rank_lists])
+        for g, members in enumerate(self.topology.shard_groups):
+            got = self.new_subgroups([[members[r] for r in ranks] for ranks in rank_lists])
             if g == self.replica_rank:
                 mine = got
         return mine

@@ -21,13 +21,13 @@ DTYPES = [FP32, BF16, FP16]
 OUT_ROUNDING = {FP32: (0.0, 0.0), BF16: (2.0 ** -8, 2.0 ** -133), FP16: (2.0 ** -11, 2.0 ** -24)}
 
 
-def qdq(x, bits, block, out_dtype=None, backend="torch"):
-    """(codes, scales, dequantized) of the 1-D API."""
+def qdq(x, bits, block, out_dtype=None, backend="torch", seed=None):
+    """(codes, scales, dequantized) of the 1-D API (stochastic rounding with an int ``seed``)."""
     n = x.numel()
     codes = torch.empty(Q.codes_nbytes(n, bits), dtype=torch.uint8, device=x.device)
     scales = torch.empty(Q.num_blocks(n, block), dtype=torch.float32, device=x.device)
     out = torch.empty(n, dtype=out_dtype or x.dtype, device=x.device)
-    Q.quantize(x, codes, scales, bits=bits, block=block, backend=backend)
+    Q.quantize(x, codes, scales, bits=bits, block=block, seed=seed, backend=backend)
     Q.dequantize(codes, scales, out, bits=bits, block=block, backend=backend)
     return codes, scales, out
 
@@ -86,17 +86,21 @@ def split_parts(buf, nparts, numel, bits, block):
              .view(torch.float32)) for p in range(nparts)]
 
 
-def simulate_qgz(fulls, nodes, L, bits, block, out_dtype=FP32, backend="torch", device="cpu"):
+def simulate_qgz(fulls, nodes, L, bits, block, out_dtype=FP32, backend="torch", device="cpu", seed=None):
     """Every rank's qgZ output, in one process: the library's quantize/dequantize steps with the two
     all-to-alls done by slicing (all_to_all_single semantics: segment ``i`` of rank ``a``'s input
-    lands in segment ``a`` of member ``i``'s output)."""
+    lands in segment ``a`` of member ``i``'s output). With an int ``seed``, rank ``g`` rounds its
+    first quantization with seed ``seed + 2g`` and its requantization with ``seed + 2g + 1``."""
+    def sd(g, stage):
+        return None if seed is None else seed + 2 * g + stage
+
     W = nodes * L
     c = fulls[0].numel() // W
     P = Q.packed_nbytes(c, bits, block)
     kw = dict(bits=bits, block=block, backend=backend)
     send = [torch.zeros(W * P, dtype=torch.uint8, device=device) for _ in range(W)]
     for g in range(W):
-        Q.quantize_parts(fulls[g].to(device), send[g], nparts=W, transpose=(nodes, L), **kw)
+        Q.quantize_parts(fulls[g].to(device), send[g], nparts=W, transpose=(nodes, L), seed=sd(g, 0), **kw)
     outs = [torch.empty(c, dtype=out_dtype, device=device) for _ in range(W)]
     if L > 1:
         seg = nodes * P
@@ -108,7 +112,8 @@ def simulate_qgz(fulls, nodes, L, bits, block, out_dtype=FP32, backend="torch", 
             return outs
         send2 = [torch.zeros(seg, dtype=torch.uint8, device=device) for _ in range(W)]
         for g in range(W):
-            Q.dequantize_parts(recv[g], nparts=nodes, numel=c, requant=send2[g], nreduce=L, reduce_stride=seg, **kw)
+            Q.dequantize_parts(recv[g], nparts=nodes, numel=c, requant=send2[g], nreduce=L, reduce_stride=seg,
+                               seed=sd(g, 1), **kw)
     else:
         send2 = [s[: nodes * P] for s in send]
     for g in range(W):
@@ -155,10 +160,11 @@ def check_1d(dev, bits):
     for name, x, block in agreement_cases():
         if bits == 4 and block % 2:
             continue
-        ref = qdq(x, bits, block, backend="torch")
-        got = qdq(x.to(dev), bits, block, backend="triton")
-        for what, a, b in zip(("codes", "scales", "dequant"), ref, got):
-            assert_bitwise(a, b, f"int{bits} {name} {what}")
+        for seed in (None, 1, 12345):  # 1: Triton would specialize it unless told not to
+            ref = qdq(x, bits, block, backend="torch", seed=seed)
+            got = qdq(x.to(dev), bits, block, backend="triton", seed=seed)
+            for what, a, b in zip(("codes", "scales", "dequant"), ref, got):
+                assert_bitwise(a, b, f"int{bits} {name} {what} seed {seed}")
         for out_dtype in DTYPES:
             ref_o = torch.empty(x.numel(), dtype=out_dtype)
             got_o = torch.empty(x.numel(), dtype=out_dtype, device=dev)
@@ -173,29 +179,32 @@ def check_parts(dev, bits):
     rows, cols, m, block = 3, 2, 301 if bits == 8 else 302, 128
     x = sample(rows * cols * m, FP32, seed=8)
     P = Q.packed_nbytes(m, bits, block)
-    res = {}
-    for backend, d in (("torch", "cpu"), ("triton", dev)):
-        buf = torch.zeros(rows * cols * P, dtype=torch.uint8, device=d)
-        Q.quantize_parts(x.to(d), buf, nparts=6, bits=bits, block=block, transpose=(rows, cols), backend=backend)
-        out = torch.empty(3 * m, dtype=BF16, device=d)
-        Q.dequantize_parts(buf, nparts=3, numel=m, out=out, nreduce=2, bits=bits, block=block, backend=backend)
-        req = torch.zeros(3 * P, dtype=torch.uint8, device=d)
-        Q.dequantize_parts(buf, nparts=3, numel=m, requant=req, nreduce=2, bits=bits, block=block, backend=backend)
-        res[backend] = (buf, out, req)
-    for what, a, b in zip(("quantize_parts", "reduce", "requant"), res["torch"], res["triton"]):
-        assert_bitwise(a, b, f"int{bits} {what}")
-    return 3
+    for seed in (None, 777):
+        res = {}
+        for backend, d in (("torch", "cpu"), ("triton", dev)):
+            kw = dict(bits=bits, block=block, backend=backend)
+            buf = torch.zeros(rows * cols * P, dtype=torch.uint8, device=d)
+            Q.quantize_parts(x.to(d), buf, nparts=6, transpose=(rows, cols), seed=seed, **kw)
+            out = torch.empty(3 * m, dtype=BF16, device=d)
+            Q.dequantize_parts(buf, nparts=3, numel=m, out=out, nreduce=2, **kw)
+            req = torch.zeros(3 * P, dtype=torch.uint8, device=d)
+            Q.dequantize_parts(buf, nparts=3, numel=m, requant=req, nreduce=2, seed=seed, **kw)
+            res[backend] = (buf, out, req)
+        for what, a, b in zip(("quantize_parts", "reduce", "requant"), res["torch"], res["triton"]):
+            assert_bitwise(a, b, f"int{bits} {what} seed {seed}")
+    return 6
 
 
 def check_qgz_simulation(dev, bits):
     n = 0
     for nodes, L, c, block in [(2, 2, 300, 128), (1, 3, 130, 128), (3, 1, 130, 128), (2, 3, 64, 64)]:
         fulls = [sample(nodes * L * c, BF16, seed=100 + g) for g in range(nodes * L)]
-        ref = simulate_qgz(fulls, nodes, L, bits, block, out_dtype=FP32, backend="torch")
-        got = simulate_qgz(fulls, nodes, L, bits, block, out_dtype=FP32, backend="triton", device=dev)
-        for g, (a, b) in enumerate(zip(ref, got)):
-            assert_bitwise(a, b, f"int{bits} qgZ {nodes}x{L} rank {g}")
-        n += 1
+        for seed in (None, 99):
+            ref = simulate_qgz(fulls, nodes, L, bits, block, out_dtype=FP32, backend="torch", seed=seed)
+            got = simulate_qgz(fulls, nodes, L, bits, block, out_dtype=FP32, backend="triton", device=dev, seed=seed)
+            for g, (a, b) in enumerate(zip(ref, got)):
+                assert_bitwise(a, b, f"int{bits} qgZ {nodes}x{L} rank {g} seed {seed}")
+            n += 1
     return n
 
 
@@ -209,13 +218,13 @@ def compile_sm90_ptx() -> dict:
     K = Q._triton_module()
     i64 = "i64"
     qsig = dict(x_ptr=None, x_part_stride=i64, codes_ptr="*u8", codes_part_stride=i64, scales_ptr="*fp32",
-                scales_part_stride=i64, numel=i64, block="i32", perm_n="i32", perm_l="i32", QMAX="constexpr",
-                INT4="constexpr", X_BF16="constexpr", P2="constexpr")
+                scales_part_stride=i64, numel=i64, block="i32", perm_n="i32", perm_l="i32", seed="i32",
+                QMAX="constexpr", INT4="constexpr", X_BF16="constexpr", P2="constexpr", STOCHASTIC="constexpr")
     dsig = dict(codes_ptr="*u8", codes_part_stride=i64, codes_red_stride=i64, scales_ptr="*fp32",
                 scales_part_stride=i64, scales_red_stride=i64, nred="i32", out_ptr=None, out_part_stride=i64,
                 qcodes_ptr="*u8", qcodes_part_stride=i64, qscales_ptr="*fp32", qscales_part_stride=i64, numel=i64,
-                block="i32", QMAX="constexpr", INT4="constexpr", OUT_BF16="constexpr", REQUANT="constexpr",
-                P2="constexpr")
+                block="i32", seed="i32", QMAX="constexpr", INT4="constexpr", OUT_BF16="constexpr",
+                REQUANT="constexpr", P2="constexpr", STOCHASTIC="constexpr")
     variants = {
         "quant int8 fp32": (K.quantize_kernel, {**qsig, "x_ptr": "*fp32"}, dict(QMAX=127, INT4=False, X_BF16=False)),
         "quant int4 bf16": (K.quantize_kernel, {**qsig, "x_ptr": "*i16"}, dict(QMAX=7, INT4=True, X_BF16=True)),
@@ -225,10 +234,14 @@ def compile_sm90_ptx() -> dict:
                                  dict(QMAX=7, INT4=True, OUT_BF16=False, REQUANT=False)),
         "dequant-requant int4": (K.dequantize_kernel, {**dsig, "out_ptr": "*fp32"},
                                  dict(QMAX=7, INT4=True, OUT_BF16=False, REQUANT=True)),
+        "quant int4 fp32 stochastic": (K.quantize_kernel, {**qsig, "x_ptr": "*fp32"},
+                                       dict(QMAX=7, INT4=True, X_BF16=False, STOCHASTIC=True)),
+        "dequant-requant int8 stochastic": (K.dequantize_kernel, {**dsig, "out_ptr": "*fp32"},
+                                            dict(QMAX=127, INT4=False, OUT_BF16=False, REQUANT=True, STOCHASTIC=True)),
     }
     ptx = {}
     for name, (fn, sig, constexprs) in variants.items():
-        src = ASTSource(fn, sig, constexprs={**constexprs, "P2": 4096})
+        src = ASTSource(fn, sig, constexprs={"STOCHASTIC": False, **constexprs, "P2": 4096})
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                   options=dict(num_warps=8, enable_fp_fusion=False))
         ptx[name] = compiled.asm["ptx"]

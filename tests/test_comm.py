@@ -110,8 +110,9 @@ def test_qgz_hook_at_2_nodes_x_2_ranks():
     int8, int4 = results[0]
     err8, _ = max_rel_err(int8["grads"][0], ref["grads"][0])
     err4, _ = max_rel_err(int4["grads"][0], ref["grads"][0])
-    # per-tensor norm-wise error of two quantization stages over 4 ranks (bounds: yashard.zeropp)
-    assert err8 < 0.1 and err4 < 1.0 and 4 * err8 < err4, (err8, err4)
+    # per-tensor norm-wise error of two quantization stages over 4 ranks (bounds: yashard.zeropp);
+    # int4 rounds stochastically: unbiased, with up to twice the error variance of nearest rounding
+    assert err8 < 0.1 and err4 < 1.5 and 4 * err8 < err4, (err8, err4)
     assert loss_rel_err(int8["losses"], ref["losses"]) < 1e-3
     log = int8["log"]
     assert _bytes(log, "bwd", "all_to_all", "node") > 0 and _bytes(log, "bwd", "all_to_all", "cross_node") > 0
@@ -150,29 +151,76 @@ def test_paper_volume_table_cross_node_bytes():
     assert (f1 + b1 + g1) / m < 0.75 < 3 - (m - b0) / m
 
 
+def test_hybrid_from_a_device_mesh():
+    """FSDP2-style HSDP: a (replicate, shard) DeviceMesh sets the groups. Rows of consecutive ranks
+    train bitwise like shard_group_size=2; the transposed layout (shard groups [0 2] and [1 3],
+    replicas [0 1] and [2 3]), with and without hpZ inside it, and a 1-D mesh match the reference;
+    the collectives run on the mesh's groups."""
+    modes = {
+        "size": dict(shard_kw={"shard_group_size": 2}),
+        "rows": dict(mesh=[[0, 1], [2, 3]]),
+        "cols": dict(mesh=[[0, 2], [1, 3]]),
+        "cols+hpz": dict(mesh=[[0, 2], [1, 3]], shard_kw={"secondary_group_size": 1}),
+        "1d": dict(mesh=[[0, 1, 2, 3]]),
+    }
+    scenarios = [scenario(family="qwen2", overrides=H44, steps=3, log_step=1, **kw) for kw in modes.values()]
+    results = run_distributed(run_many, 4, scenarios)
+    ref = run_reference({**scenarios[0], "world": 4})
+    for rank, rank_results in enumerate(results):
+        r = dict(zip(modes, rank_results))
+        for name, res in r.items():
+            check_fp32(res, ref)
+            assert res["plan"] == res["allocated"], name
+        assert r["rows"]["losses"] == r["size"]["losses"] and r["rows"]["norms"] == r["size"]["norms"]
+        assert all(torch.equal(r["rows"]["params"][k], r["size"]["params"][k]) for k in r["size"]["params"])
+        assert r["rows"]["groups"] == r["size"]["groups"] == {
+            "shard": [rank // 2 * 2, rank // 2 * 2 + 1], "replica": [rank % 2, rank % 2 + 2], "secondary": None}
+        assert r["cols"]["groups"] == {"shard": [rank % 2, rank % 2 + 2], "replica": [rank // 2 * 2, rank // 2 * 2 + 1],
+                                       "secondary": None}
+        assert r["cols+hpz"]["groups"]["secondary"] == [rank]
+        assert r["1d"]["groups"] == {"shard": [0, 1, 2, 3], "replica": None, "secondary": None}
+        for name in ("rows", "cols", "cols+hpz"):  # gathers and reductions in the shard group, replicas all-reduce
+            log = r[name]["log"]
+            groups = {"shard", "secondary"} if name == "cols+hpz" else {"shard"}
+            assert {x[5] for x in log if x[1] in ("all_gather", "reduce_scatter")} == groups, name
+            assert _bytes(log, op="all_reduce", group="replica") > 0, name
+        assert _bytes(r["cols+hpz"]["log"], "bwd", "all_gather", "shard") == 0  # hpZ: backward gathers stay home
+    for res in results[1:]:  # every rank ends with the same model
+        for a, b in zip(results[0], res):
+            assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
+
+
 def test_200_step_convergence_of_every_mode():
-    """A tiny model trained 200 steps on real text (bytes of a standard-library module) in each mode
-    ends within 1% of the default's final loss; int4 gradients (qgZ int4, alone or with qwZ and hpZ)
-    within 3%. Measured, final loss 2.078 from 5.59: hybrid and hpZ bitwise equal to the default,
-    qwZ int8 0.06%, qgZ int8 0.3%, bf16 / fp16 compression 0.25% / 0.16% apart; qgZ int4 +2.4% at
-    block 256 (+1.4% at block 16, -1.1% at block 64): 4-bit gradients of a 2-layer, 32-wide model
-    move its trajectory by about 1-2.5%, more than the 1% the int8 modes meet."""
+    """A tiny model trained 200 steps on real text (bytes of a standard-library module) with qwZ int8,
+    qgZ int8 or the 16-bit hooks ends within 1% of the default's final loss (mean of the last 10
+    steps). int4 gradients (qgZ, alone or with qwZ and hpZ) are
+    rounded stochastically, so one run is one draw: its distance varies with the seed (measured
+    -0.7% to +1.2% over seeds 0-3, docs/benchmarks.md); the mean over four seeds must be within 1%
+    and each run within 1.5%. Rounded to nearest, int4 lands 2.4% away: further than that mean."""
     common = dict(steps=200, micro=2, seq=32, lr=3e-3, text=True,
                   overrides={"num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64, "vocab_size": 256})
     qgz4 = dict(hook="qgz", hook_kw={"ranks_per_node": 2, "bits": 4, "block": 256})
     modes = [  # (mode, bound)
-        (dict(), 0.0), (dict(shard_kw={"shard_group_size": 2}), 0.01), (dict(shard_kw={"secondary_group_size": 2}), 0.01),
+        (dict(), 0.0),  # hybrid and hpZ are exact: they match the reference at every step (tests above)
         (dict(shard_kw={"quantized_weights": 8, "quant_block": 256}), 0.01),
         (dict(hook="qgz", hook_kw={"ranks_per_node": 2, "bits": 8, "block": 256}), 0.01),
         (dict(hook="bf16_compress"), 0.01), (dict(hook="fp16_compress"), 0.01),
-        (qgz4, 0.03), (dict(shard_kw={"quantized_weights": 8, "quant_block": 256, "secondary_group_size": 2}, **qgz4), 0.03),
-    ]
+        (dict(shard_kw={"quantized_weights": 8, "quant_block": 256, "secondary_group_size": 2}, **qgz4), 0.015),
+        (dict(hook="qgz", hook_kw={**qgz4["hook_kw"], "rounding": "nearest"}), None),
+    ] + [(dict(hook="qgz", hook_kw={**qgz4["hook_kw"], "seed": seed}), 0.015) for seed in range(4)]
     scenarios = [scenario(**common, **m) for m, _ in modes]
     results = run_distributed(run_many, 4, scenarios, timeout=900)[0]
     final = [sum(r["losses"][-10:]) / 10 for r in results]
     assert final[0] < 0.7 * results[0]["losses"][0], "the default did not learn"
-    for (m, bound), f in zip(modes[1:], final[1:]):
-        assert abs(f - final[0]) / final[0] < bound, (m, f, final[0])
+    dist = [abs(f - final[0]) / final[0] for f in final]
+    print("distance from the default:", [f"{d:.2%}" for d in dist])
+    for (m, bound), d in zip(modes[1:], dist[1:]):
+        if bound is not None:
+            assert d < bound, (m, d)
+    signed = [(f - final[0]) / final[0] for f in final[-4:]]  # int4 stochastic, seeds 0-3
+    mean = sum(signed) / 4
+    assert abs(mean) < 0.01, signed
+    assert dist[-5] > abs(mean), (dist[-5], signed)  # nearest rounding: biased
 
 
 @pytest.mark.parametrize("case", ["twice", "after_forward", "not_callable", "bad_return", "bad_size"])

@@ -436,6 +436,43 @@ def test_weights_folder_with_a_truncated_file(pg, tmp_path):
     assert all(p.is_meta for p in model.parameters())  # nothing was taken from the model
 
 
+def test_qgz_state_errors(pg):
+    from yashard.comm_hooks import QgzState
+
+    sm = yashard.shard(build())
+    cases = [
+        (dict(ranks_per_node=2), r"QgzState: ranks_per_node=2 must be a positive divisor of the shard group size 1"),
+        (dict(ranks_per_node=1, rounding="up"), r"QgzState: rounding must be 'auto', 'stochastic' or 'nearest', got 'up'"),
+        (dict(ranks_per_node=1, seed=-3), r"QgzState: seed must be an int in \[0, 2\*\*32\), got -3"),
+        (dict(ranks_per_node=1, bits=2), r"quantization bits must be 8 or 4, got 2"),
+    ]
+    for kw, pattern in cases:
+        with pytest.raises(ValueError, match=pattern):
+            QgzState(sm, **kw)
+    assert QgzState(sm, 1).rounding == "stochastic" and QgzState(sm, 1, bits=8).rounding == "nearest"
+
+
+def test_mesh_errors(pg):
+    """A mesh that is not a DeviceMesh, has more than 2 dims, or conflicts with another setting."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    with pytest.raises(TypeError, match=r"mesh must be a torch\.distributed\.device_mesh\.DeviceMesh, got list"):
+        yashard.shard(build(), mesh=[[0]])
+    mesh3 = DeviceMesh("cpu", torch.zeros(1, 1, 1, dtype=torch.long), mesh_dim_names=("pp", "dp_replicate", "dp_shard"))
+    with pytest.raises(ValueError, match=r"yashard takes a 1-D \(shard\) or 2-D \(replicate, shard\) device mesh, got "
+                                         r"a 3-D mesh with dims \('pp', 'dp_replicate', 'dp_shard'\); pass the "
+                                         r"data-parallel dims only, e\.g\. mesh\['dp_replicate', 'dp_shard'\]"):
+        yashard.shard(build(), mesh=mesh3)
+    mesh2 = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
+    with pytest.raises(ValueError, match=r"ShardConfig\(shard_group_size=1\) and the 2-D mesh \(shape \(1, 1\), dims "
+                                         r"\('replicate', 'shard'\)\) both set the shard groups; pass one of them"):
+        yashard.shard(build(), mesh=mesh2, config=yashard.ShardConfig(shard_group_size=1))
+    with pytest.raises(ValueError, match=r"pass the data-parallel ranks once: process_group= or a 1-D mesh=, not both"):
+        yashard.shard(build(), mesh=mesh2["shard"], process_group=pg)
+    sm = yashard.shard(build(), mesh=mesh2)  # a 1 x 1 mesh is plain sharding over one rank
+    assert sm.runtime.comm.shard_world == 1 and sm.runtime.comm.replica_group is None
+
+
 def test_shard_group_size_that_does_not_divide_the_world(pg):
     with pytest.raises(ValueError, match=r"shard_group_size=2 does not divide the world size 1; use a divisor of 1"):
         yashard.shard(build(), config=yashard.ShardConfig(shard_group_size=2))

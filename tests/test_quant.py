@@ -177,6 +177,58 @@ def test_parts_follow_the_1d_format(bits):
 # -------------------------------------------------------------------------- triton == torch
 
 
+def _lowbias32(x: int) -> int:
+    """The hash, written independently of the library (Python ints)."""
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def test_uniform_is_the_documented_hash():
+    idx = torch.tensor([0, 1, 2, 12345, 2**32 - 1, 2**32 + 7, 3 * 2**40 + 5])
+    for seed in (0, 1, 2**31 - 1):
+        want = [(_lowbias32(_lowbias32(i % 2**32) ^ seed) >> 8) / 2**24 for i in idx.tolist()]
+        assert Q.uniform(seed, idx).tolist() == want
+    u = Q.uniform(7, torch.arange(100_000))
+    assert 0.0 <= u.min() and u.max() < 1.0 and abs(u.mean().item() - 0.5) < 0.005
+    assert len({Q.mix_seed(c, r) for c in range(50) for r in range(8)}) == 400  # no collisions here
+    with pytest.raises(ValueError, match=r"mix_seed takes ints in \[0, 2\*\*32\), got -1"):
+        Q.mix_seed(-1)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_stochastic_rounding_is_unbiased_and_bounded(bits):
+    """Elements below half a step: nearest rounds them all to 0, stochastic rounding keeps their mean.
+    Every code is one of the two neighbours of x / scale (error below one step), the same seed gives
+    the same codes, another seed others."""
+    qmax = Q.QMAX[bits]
+    block = 512
+    g = torch.Generator().manual_seed(3)
+    x = torch.rand(8 * block, generator=g) * 0.4  # below half a step after scaling...
+    x[::block] = qmax  # ...of a block whose absmax is qmax: scale exactly 1
+    small = torch.ones(x.numel(), dtype=torch.bool)
+    small[::block] = False
+    _, _, nearest = qdq(x, bits, block)
+    assert nearest[small].abs().max() == 0 and torch.equal(nearest[~small], x[~small])
+    codes, scales, a = qdq(x, bits, block, seed=5)
+    assert torch.equal(scales, torch.ones_like(scales))
+    assert ((a == x.floor()) | (a == x.ceil())).all() and torch.equal(a[~small], x[~small])
+    assert torch.equal(qdq(x, bits, block, seed=5)[0], codes)
+    assert not torch.equal(qdq(x, bits, block, seed=6)[0], codes)
+    mean = torch.stack([qdq(x, bits, block, seed=s)[2] for s in range(200)]).mean(0)
+    err = (mean - x)[small]
+    # per element, the mean of 200 draws has a standard error below 0.035 (|error| about 0.02 on
+    # average); over all 4088 elements the bias is below 0.002 (nearest's is -0.2, the mean of x)
+    assert err.abs().mean() < 0.03 and abs(err.mean().item()) < 0.002, (err.abs().mean(), err.mean())
+    assert abs((nearest - x)[small].mean().item() + 0.2) < 0.01
+    # random data of every magnitude: the error stays below one step (plus the fp32 terms)
+    y = sample(3000, FP32, 11)
+    _, sc, b = qdq(y, bits, 256, seed=9)
+    assert ((y.double() - b.double()).abs() <= 2 * error_bound(y, sc, 256, FP32)).all()  # s + the fp32 terms
+
+
 def test_triton_matches_torch_bitwise():
     """Codes, scales, dequantized values (every dtype), packed parts with reordering, reduction and
     requantization, and a whole simulated qgZ: Triton vs torch, bitwise (tests/quant_checks.py). On

@@ -14,9 +14,15 @@ A 1-D float tensor (fp32, bf16 or fp16) of ``n`` elements is cut into blocks of 
   element of an odd-length tensor is stored as code 0 (nibble 8). int4 needs an even ``block``.
 * A block holding an inf or a NaN gets scale NaN and codes 0, so it dequantizes to NaN everywhere
   (an overflow stays visible after communication).
+* Stochastic rounding (``seed=`` an int; used for gradients by qgZ): ``code = min(floor(v + u), qmax)``
+  with ``v = clamp(x / scale, -qmax, qmax)`` and ``u`` in [0, 1) drawn per element from a counter-based
+  hash of (seed, element index) (:func:`uniform`), so ``E[dequant] = x`` up to fp32 rounding: rounding
+  to nearest always shrinks the many elements below half a step to 0, a bias that int4 gradients
+  carry into training. Same seed, same codes, on every backend.
 
 Error bound (documented contract, tested): for a finite block with absmax ``A`` and scale ``s``, every
-element satisfies ``|x - dequant_fp32(x)| <= s/2 + A * 2**-22 + 2**-140``: half a quantization step, plus
+element satisfies ``|x - dequant_fp32(x)| <= s/2 + A * 2**-22 + 2**-140`` (``s`` instead of ``s/2``
+with stochastic rounding): half a quantization step, plus
 the fp32 rounding of ``x / s`` and ``code * s`` (``A * 2**-22``), plus a term below 2**-140 that only
 matters when ``s`` is subnormal or zero (``A < 2**-119``). Dequantizing into bf16/fp16 adds the
 rounding of that dtype: ``|dequant_fp32| * u + eta / 2`` with ``u = 2**-8`` (bf16) or ``2**-11`` (fp16)
@@ -177,6 +183,12 @@ def _check_bytes(name: str, t: torch.Tensor, need: int) -> None:
                          f"fp32); slice byte workspaces at multiples of {ALIGN}")
 
 
+def _check_seed(seed) -> None:
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**31):
+        raise ValueError(f"seed must be None (round to nearest) or an int in [0, 2**31), got {seed!r}; "
+                         "make one with mix_seed(...)")
+
+
 def _check_device(**tensors: torch.Tensor) -> torch.device:
     devs = {k: v.device for k, v in tensors.items()}
     first = next(iter(devs.values()))
@@ -185,12 +197,51 @@ def _check_device(**tensors: torch.Tensor) -> torch.device:
     return first
 
 
+# ----------------------------------------------------------------------------- random numbers
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``x * c mod 2**32`` for int64 tensors holding uint32 values, without int64 overflow."""
+    lo, hi = x & 0xFFFF, x >> 16
+    return (lo * c + ((hi * (c & 0xFFFF)) << 16)) & _M32
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xor-shift-multiply, "lowbias32") of uint32 values held in int64."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def mix_seed(*values: int) -> int:
+    """One 31-bit seed from several ints in [0, 2**32) (a call counter, a unit index, a rank, a stage)."""
+    h = 0x9E3779B9
+    for v in values:
+        if not 0 <= v <= _M32:
+            raise ValueError(f"mix_seed takes ints in [0, 2**32), got {v}")
+        h = int(_hash32(torch.tensor([h ^ v], dtype=torch.int64))[0])
+    return h & 0x7FFFFFFF
+
+
+def uniform(seed: int, index: torch.Tensor) -> torch.Tensor:
+    """fp32 numbers in [0, 1) with 24 random bits, one per element index (int64 tensor):
+    ``hash32(hash32(index mod 2**32) ^ seed) >> 8`` times 2**-24. A pure function of its inputs; the
+    Triton kernels compute the same bits."""
+    h = _hash32(_hash32(index & _M32) ^ (seed & _M32))
+    return (h >> 8).to(torch.float32) * (2.0 ** -24)
+
+
 # ------------------------------------------------------------------------------ torch fallback
 
 
 def _torch_quantize(xs: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, qmax: int, int4: bool,
-                    block: int) -> None:
-    """xs (k, m) float -> codes (k, codes_nbytes(m)) uint8 view, scales (k, nb) fp32 view."""
+                    block: int, seed: int | None = None) -> None:
+    """xs (k, m) float -> codes (k, codes_nbytes(m)) uint8 view, scales (k, nb) fp32 view; with a
+    ``seed``, stochastic rounding with element ``i`` of row ``p`` drawing ``uniform(seed, p * m + i)``."""
     k, m = xs.shape
     nb = scales.shape[1]
     xf = torch.zeros(k, nb * block, dtype=torch.float32, device=xs.device)
@@ -201,7 +252,12 @@ def _torch_quantize(xs: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     safe = torch.where(scale > 0, scale, torch.ones((), device=xs.device))
     v = xf / safe[:, :, None]
     v = torch.where(bad[:, :, None], torch.zeros((), device=xs.device), v).clamp_(-qmax, qmax)
-    q = torch.round(v).to(torch.int32).view(k, nb * block)[:, :m]
+    if seed is None:
+        q = torch.round(v).to(torch.int32).view(k, nb * block)[:, :m]
+    else:
+        v = v.view(k, nb * block)[:, :m]
+        idx = torch.arange(k, dtype=torch.int64, device=xs.device)[:, None] * m + torch.arange(m, device=xs.device)
+        q = torch.floor(v + uniform(seed, idx)).clamp_(max=qmax).to(torch.int32)
     scales.copy_(torch.where(bad, torch.full((), float("nan"), device=xs.device), scale))
     if int4:
         pairs = torch.zeros(k, 2 * codes.shape[1], dtype=torch.int32, device=xs.device)
@@ -257,8 +313,10 @@ def _check_codes_scales(codes: torch.Tensor, scales: torch.Tensor, n: int, bits:
 
 
 def quantize(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, *, bits: int = 8,
-             block: int = 4096, backend: str = "auto") -> None:
-    """Quantize ``x`` (contiguous 1-D fp32/bf16/fp16) into ``codes`` and ``scales`` (see module doc).
+             block: int = 4096, seed: int | None = None, backend: str = "auto") -> None:
+    """Quantize ``x`` (contiguous 1-D fp32/bf16/fp16) into ``codes`` and ``scales`` (see module doc);
+    ``seed``: None rounds to nearest even, an int rounds stochastically (element ``i`` draws
+    ``uniform(seed, i)``).
 
     ``codes``: contiguous 1-D uint8 or int8 with ``codes_nbytes(x.numel(), bits)`` elements.
     ``scales``: contiguous 1-D fp32 with ``num_blocks(x.numel(), block)`` elements. Nothing is allocated
@@ -268,12 +326,13 @@ def quantize(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, *, bits
     n = x.numel()
     _check_codes_scales(codes, scales, n, bits, block)
     device = _check_device(x=x, codes=codes, scales=scales)
+    _check_seed(seed)
     codes = codes.view(torch.uint8)
     if resolve_backend(device, backend) == "triton":
         _triton_module().launch_quantize(x, n, codes, 0, scales, 0, n, 1, block, QMAX[bits], bits == 4,
-                                         1, 1, _p2(block))
+                                         1, 1, _p2(block), seed)
     else:
-        _torch_quantize(x.view(1, n), codes.view(1, -1), scales.view(1, -1), QMAX[bits], bits == 4, block)
+        _torch_quantize(x.view(1, n), codes.view(1, -1), scales.view(1, -1), QMAX[bits], bits == 4, block, seed)
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, *, bits: int = 8,
@@ -297,13 +356,15 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, *, 
 
 
 def quantize_parts(x: torch.Tensor, buf: torch.Tensor, *, nparts: int, bits: int = 8, block: int = 4096,
-                   transpose: tuple[int, int] | None = None, backend: str = "auto") -> None:
+                   transpose: tuple[int, int] | None = None, seed: int | None = None,
+                   backend: str = "auto") -> None:
     """Quantize ``x`` (contiguous 1-D float, ``nparts * m`` elements: pieces of ``m`` elements) into the
     first ``nparts * packed_nbytes(m, bits, block)`` bytes of ``buf`` (contiguous uint8), one packed
     part per piece; blocks never straddle pieces.
 
     ``transpose=(rows, cols)`` (``rows * cols == nparts``) reorders on the fly: part ``p`` holds piece
-    ``transpose_order(rows, cols)[p]``; ``None`` keeps the order."""
+    ``transpose_order(rows, cols)[p]``; ``None`` keeps the order. ``seed``: stochastic rounding, element
+    ``i`` of part ``p`` drawing ``uniform(seed, p * m + i)``; None rounds to nearest even."""
     check_format(bits, block)
     _check_float("x", x)
     if nparts < 1 or x.numel() % nparts:
@@ -311,6 +372,7 @@ def quantize_parts(x: torch.Tensor, buf: torch.Tensor, *, nparts: int, bits: int
     rows, cols = transpose if transpose is not None else (nparts, 1)
     if rows < 1 or cols < 1 or rows * cols != nparts:
         raise ValueError(f"transpose={transpose} must be (rows, cols) with rows * cols == nparts={nparts}")
+    _check_seed(seed)
     m = x.numel() // nparts
     lay = packed_layout(m, bits, block)
     _check_bytes("buf", buf, nparts * lay.nbytes)
@@ -320,17 +382,17 @@ def quantize_parts(x: torch.Tensor, buf: torch.Tensor, *, nparts: int, bits: int
     if resolve_backend(device, backend) == "triton":
         sc = _f32_view(buf)[lay.scales_offset // 4:]
         _triton_module().launch_quantize(x, m, buf, lay.nbytes, sc, lay.nbytes // 4, m, nparts, block,
-                                         QMAX[bits], bits == 4, rows, cols, _p2(block))
+                                         QMAX[bits], bits == 4, rows, cols, _p2(block), seed)
     else:
         # piece r * cols + c goes to part c * rows + r (transpose_order), as a view: no index tensor
         xs = x.view(rows, cols, m).transpose(0, 1).reshape(nparts, m)
         codes, scales = _part_views(buf, lay, nparts)
-        _torch_quantize(xs, codes, scales, QMAX[bits], bits == 4, block)
+        _torch_quantize(xs, codes, scales, QMAX[bits], bits == 4, block, seed)
 
 
 def dequantize_parts(buf: torch.Tensor, *, nparts: int, numel: int, out: torch.Tensor | None = None,
                      requant: torch.Tensor | None = None, nreduce: int = 1, reduce_stride: int | None = None,
-                     bits: int = 8, block: int = 4096, backend: str = "auto") -> None:
+                     bits: int = 8, block: int = 4096, seed: int | None = None, backend: str = "auto") -> None:
     """Dequantize ``nparts`` packed parts of ``numel`` elements each, summing ``nreduce`` copies.
 
     Copy ``r`` of part ``p`` starts at byte ``r * reduce_stride + p * packed_nbytes(numel)`` of ``buf``
@@ -339,10 +401,14 @@ def dequantize_parts(buf: torch.Tensor, *, nparts: int, numel: int, out: torch.T
     Exactly one destination: ``out`` (contiguous 1-D float, ``nparts * numel`` elements, part ``p`` at
     ``p * numel``) receives the sum cast to its dtype; or ``requant`` (contiguous uint8, at least
     ``nparts * packed_nbytes(numel)`` bytes, must not overlap the parts read) receives the sum quantized
-    again in the same format (the fused dequantize-reduce-quantize step of qgZ)."""
+    again in the same format (the fused dequantize-reduce-quantize step of qgZ), rounded stochastically
+    when ``seed`` is an int (as :func:`quantize_parts`; ``seed`` needs ``requant``)."""
     check_format(bits, block)
     if (out is None) == (requant is None):
         raise ValueError("dequantize_parts needs exactly one of out= (values) or requant= (a packed buffer)")
+    _check_seed(seed)
+    if seed is not None and requant is None:
+        raise ValueError("seed= sets how dequantize_parts rounds when it quantizes again: pass requant=, or no seed")
     lay = packed_layout(numel, bits, block)
     if nparts < 1 or nreduce < 1:
         raise ValueError(f"nparts and nreduce must be >= 1, got nparts={nparts}, nreduce={nreduce}")
@@ -364,7 +430,7 @@ def dequantize_parts(buf: torch.Tensor, *, nparts: int, numel: int, out: torch.T
         qsc = None if requant is None else _f32_view(requant)[lay.scales_offset // 4:]
         _triton_module().launch_dequantize(buf, lay.nbytes, stride, sc, lay.nbytes // 4, stride // 4, nreduce,
                                            out, numel, requant, lay.nbytes, qsc, lay.nbytes // 4,
-                                           numel, nparts, block, qmax, int4, _p2(block))
+                                           numel, nparts, block, qmax, int4, _p2(block), seed)
         return
     acc = torch.zeros(nparts, numel, dtype=torch.float32, device=device)
     for r in range(nreduce):
@@ -374,4 +440,4 @@ def dequantize_parts(buf: torch.Tensor, *, nparts: int, numel: int, out: torch.T
         out.view(nparts, numel).copy_(acc)
     else:
         codes, scales = _part_views(requant, lay, nparts)
-        _torch_quantize(acc, codes, scales, qmax, int4, block)
+        _torch_quantize(acc, codes, scales, qmax, int4, block, seed)

@@ -37,6 +37,8 @@ Error bound (tested): for every element of ``out``,
 (+ the rounding of ``out.dtype`` when it is not fp32), where ``s1_r = A1_r / qmax`` is rank ``r``'s
 block scale of that element in step 1 and ``s2_k = A2_k / qmax`` node ``k``'s block scale in step 3
 (``A`` the block absmax); the ``2**-20`` term covers fp32 rounding in the quantizers and the sums.
+With stochastic rounding (``seed=``) a step's error is below ``s`` instead of ``s / 2`` (the
+single-quantization bound is tested in tests/test_quant.py), and unbiased.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from __future__ import annotations
 import torch
 
 from .collectives import Comm
-from .quant import (FLOAT_DTYPES, check_format, dequantize_parts, packed_layout, quantize_parts,
+from .quant import (FLOAT_DTYPES, check_format, dequantize_parts, mix_seed, packed_layout, quantize_parts,
                     transpose_order, _check_bytes, _check_float)
 
 
@@ -156,7 +158,7 @@ def _coords(comm: Comm, group) -> tuple[int, int, list[int]]:
 
 def qgz_reduce_scatter(comm: Comm, out: torch.Tensor, full: torch.Tensor, workspace: torch.Tensor, *,
                        intra_group, inter_group, bits: int = 4, block: int = 4096, unit: str = "qgz",
-                       backend: str = "auto") -> None:
+                       seed: int | None = None, backend: str = "auto") -> None:
     """Quantized reduce-scatter with SUM semantics and the plain placement: ``out`` = chunk ``g`` (this
     rank's shard rank) of the sum over the shard group of every rank's ``full`` (module doc, steps 1-5).
 
@@ -166,6 +168,8 @@ def qgz_reduce_scatter(comm: Comm, out: torch.Tensor, full: torch.Tensor, worksp
     ``intra_group`` / ``inter_group``: this rank's groups from :func:`qgz_group_ranks` (``None`` for a
     size-1 group: one rank per node, or one node). Together they must tile the shard group exactly as
     ``qgz_group_ranks(W, L)`` says, else ValueError (raised before any communication).
+    ``seed``: None rounds to nearest; an int rounds both quantizations (steps 1 and 3) stochastically,
+    with seeds derived from it (give every rank and every call its own, see :func:`yashard.quant.mix_seed`).
     Raises :class:`QgzFallback` (before any communication, on every rank alike) when
     :func:`qgz_fallback_reason` gives a reason: call the plain reduce-scatter then."""
     _, L, intra = _coords(comm, intra_group)
@@ -195,7 +199,8 @@ def qgz_reduce_scatter(comm: Comm, out: torch.Tensor, full: torch.Tensor, worksp
     _check_bytes("workspace", workspace, 2 * W * P)
     send, recv = workspace[: W * P], workspace[W * P: 2 * W * P]
     kw = dict(bits=bits, block=block, backend=backend)
-    quantize_parts(full, send, nparts=W, transpose=(nodes, L), **kw)  # step 1
+    seeds = (None, None) if seed is None else (mix_seed(seed, 1), mix_seed(seed, 3))
+    quantize_parts(full, send, nparts=W, transpose=(nodes, L), seed=seeds[0], **kw)  # step 1
     if L > 1:
         comm.wait(comm.all_to_all(recv, send, f"{unit}/intra", intra_group), f"all_to_all of {unit} (qgZ, in-node)")  # 2
         if nodes == 1:
@@ -203,7 +208,7 @@ def qgz_reduce_scatter(comm: Comm, out: torch.Tensor, full: torch.Tensor, worksp
             return
         # step 3: recv holds L segments (one per local source) of `nodes` parts; sum them, requantize.
         dequantize_parts(recv, nparts=nodes, numel=c, requant=send[: nodes * P], nreduce=L,
-                         reduce_stride=nodes * P, **kw)
+                         reduce_stride=nodes * P, seed=seeds[1], **kw)
     comm.wait(comm.all_to_all(recv[: nodes * P], send[: nodes * P], f"{unit}/inter", inter_group),
               f"all_to_all of {unit} (qgZ, across nodes)")  # step 4
     dequantize_parts(recv[: nodes * P], nparts=1, numel=c, out=out, nreduce=nodes, reduce_stride=P, **kw)  # 5

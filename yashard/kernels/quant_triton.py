@@ -5,6 +5,8 @@ Two kernels, both over a grid ``(blocks per part, parts)``, one program per quan
 * :func:`quantize_kernel` reads part ``p`` of the input from piece ``(p % perm_n) * perm_l + p // perm_n``
   (identity with ``perm_n = parts, perm_l = 1``; the qgZ slice reordering otherwise), and writes its
   codes and its per-block fp32 scales.
+* Both round to nearest even, or stochastically with ``STOCHASTIC`` (a counter-based hash of the
+  seed and the element index ``part * numel + offset``, integer arithmetic only, as the torch path).
 * :func:`dequantize_kernel` sums, in fp32 and in order ``r = 0, 1, ...``, the dequantized values of
   ``nred`` quantized copies of each part and either stores the sum (cast to the output dtype) or
   quantizes it again (the fused dequantize-reduce-quantize step of qgZ).
@@ -59,11 +61,41 @@ def _scale(absmax, bad, QMAX: tl.constexpr):
 
 
 @triton.jit
-def _codes(x, safe, bad, QMAX: tl.constexpr):
-    """Round-half-to-even of clamp(x / safe, -QMAX, QMAX) as int32 (0 for a non-finite block)."""
+def _mul32(x, c: tl.constexpr):
+    """x * c mod 2**32 for int64 x in [0, 2**32), in 16-bit halves (no int64 overflow), as quant._mul32."""
+    lo = x & 0xFFFF
+    hi = x >> 16
+    return (lo * c + ((hi * (c & 0xFFFF)) << 16)) & 0xFFFFFFFF
+
+
+@triton.jit
+def _hash32(x):
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _uniform(seed, idx):
+    """quant.uniform: fp32 in [0, 1), 24 random bits, from the int64 element index and the seed."""
+    h = _hash32(_hash32(idx.to(tl.int64) & 0xFFFFFFFF) ^ seed.to(tl.int64))
+    return (h >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2**-24
+
+
+@triton.jit
+def _codes(x, safe, bad, seed, idx, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """Round-half-to-even of clamp(x / safe, -QMAX, QMAX) as int32 (0 for a non-finite block); with
+    STOCHASTIC, min(floor(v + uniform(seed, idx)), QMAX) instead."""
     v = tl.math.div_rn(x, safe)
     v = tl.where(bad > 0, 0.0, v)
     v = tl.minimum(tl.maximum(v, -QMAX), QMAX)
+    if STOCHASTIC:
+        w = v + _uniform(seed, idx)  # one IEEE add, as in torch
+        t = w.to(tl.int32)  # truncates toward zero; floor for negative non-integers is one less
+        t = t - (t.to(tl.float32) > w).to(tl.int32)
+        return tl.minimum(t, QMAX)
     t = v.to(tl.int32)  # truncates toward zero
     a = tl.abs(v - t.to(tl.float32))  # exact
     up = (a > 0.5) | ((a == 0.5) & ((t & 1) != 0))
@@ -71,28 +103,31 @@ def _codes(x, safe, bad, QMAX: tl.constexpr):
 
 
 @triton.jit
-def _quantize_block(x_e, x_o, m_e, m_o, codes_ptr, scale_ptr, j, QMAX: tl.constexpr, INT4: tl.constexpr):
-    """Quantize one block and store it. int8: x_o/m_o are unused; int4: (x_e, x_o) are element pairs."""
+def _quantize_block(x_e, x_o, m_e, m_o, codes_ptr, scale_ptr, j, seed, idx0,
+                    QMAX: tl.constexpr, INT4: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """Quantize one block and store it. int8: x_o/m_o are unused; int4: (x_e, x_o) are element pairs.
+    ``idx0``: the element index (part * numel + offset) of the block's first element, for STOCHASTIC."""
     if INT4:
         absmax = tl.maximum(tl.max(tl.abs(x_e), axis=0), tl.max(tl.abs(x_o), axis=0))
         bad = tl.maximum(_nonfinite(x_e), _nonfinite(x_o))
         scale, safe = _scale(absmax, bad, QMAX)
-        q_e = _codes(x_e, safe, bad, QMAX)
-        q_o = _codes(x_o, safe, bad, QMAX)
+        q_e = _codes(x_e, safe, bad, seed, idx0 + 2 * j, QMAX, STOCHASTIC)
+        q_o = _codes(x_o, safe, bad, seed, idx0 + 2 * j + 1, QMAX, STOCHASTIC)
         tl.store(codes_ptr + j, ((q_e + 8) | ((q_o + 8) << 4)).to(tl.uint8), mask=m_e)
     else:
         absmax = tl.max(tl.abs(x_e), axis=0)
         bad = _nonfinite(x_e)
         scale, safe = _scale(absmax, bad, QMAX)
-        q = _codes(x_e, safe, bad, QMAX)
+        q = _codes(x_e, safe, bad, seed, idx0 + j, QMAX, STOCHASTIC)
         tl.store(codes_ptr + j, q.to(tl.int8).to(tl.uint8, bitcast=True), mask=m_e)
     tl.store(scale_ptr, scale)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])  # a seed of 1 must not become a compile-time constant
 def quantize_kernel(x_ptr, x_part_stride, codes_ptr, codes_part_stride, scales_ptr, scales_part_stride,
-                    numel, block, perm_n, perm_l,
-                    QMAX: tl.constexpr, INT4: tl.constexpr, X_BF16: tl.constexpr, P2: tl.constexpr):
+                    numel, block, perm_n, perm_l, seed,
+                    QMAX: tl.constexpr, INT4: tl.constexpr, X_BF16: tl.constexpr, P2: tl.constexpr,
+                    STOCHASTIC: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1).to(tl.int64)
     src = (p % perm_n) * perm_l + p // perm_n
@@ -107,22 +142,23 @@ def quantize_kernel(x_ptr, x_part_stride, codes_ptr, codes_part_stride, scales_p
         x_e = _load_f32(xb + 2 * j, m_e, X_BF16)
         x_o = _load_f32(xb + 2 * j + 1, m_o, X_BF16)
         _quantize_block(x_e, x_o, m_e, m_o, codes_ptr + p * codes_part_stride + start // 2, scale_ptr, j,
-                        QMAX, INT4)
+                        seed, p * numel + start, QMAX, INT4, STOCHASTIC)
     else:
         j = tl.arange(0, P2)
         m = j < length
         x = _load_f32(xb + j, m, X_BF16)
-        _quantize_block(x, x, m, m, codes_ptr + p * codes_part_stride + start, scale_ptr, j, QMAX, INT4)
+        _quantize_block(x, x, m, m, codes_ptr + p * codes_part_stride + start, scale_ptr, j,
+                        seed, p * numel + start, QMAX, INT4, STOCHASTIC)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])
 def dequantize_kernel(codes_ptr, codes_part_stride, codes_red_stride,
                       scales_ptr, scales_part_stride, scales_red_stride, nred,
                       out_ptr, out_part_stride,
                       qcodes_ptr, qcodes_part_stride, qscales_ptr, qscales_part_stride,
-                      numel, block,
+                      numel, block, seed,
                       QMAX: tl.constexpr, INT4: tl.constexpr, OUT_BF16: tl.constexpr, REQUANT: tl.constexpr,
-                      P2: tl.constexpr):
+                      P2: tl.constexpr, STOCHASTIC: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1).to(tl.int64)
     start = b * block
@@ -146,7 +182,8 @@ def dequantize_kernel(codes_ptr, codes_part_stride, codes_red_stride,
         acc_o = tl.where(m_o, acc_o, 0.0)
         if REQUANT:
             _quantize_block(acc_e, acc_o, m_e, m_o, qcodes_ptr + p * qcodes_part_stride + start // 2,
-                            qscales_ptr + p * qscales_part_stride + b, j, QMAX, INT4)
+                            qscales_ptr + p * qscales_part_stride + b, j, seed, p * numel + start,
+                            QMAX, INT4, STOCHASTIC)
         else:
             ob = out_ptr + p * out_part_stride + start
             _store_from_f32(ob + 2 * j, acc_e, m_e, OUT_BF16)
@@ -165,7 +202,8 @@ def dequantize_kernel(codes_ptr, codes_part_stride, codes_red_stride,
         acc = tl.where(m, acc, 0.0)
         if REQUANT:
             _quantize_block(acc, acc, m, m, qcodes_ptr + p * qcodes_part_stride + start,
-                            qscales_ptr + p * qscales_part_stride + b, j, QMAX, INT4)
+                            qscales_ptr + p * qscales_part_stride + b, j, seed, p * numel + start,
+                            QMAX, INT4, STOCHASTIC)
         else:
             _store_from_f32(out_ptr + p * out_part_stride + start + j, acc, m, OUT_BF16)
 
@@ -183,7 +221,7 @@ def _launch_opts(p2: int) -> dict:
 
 def launch_quantize(x, x_part_stride: int, codes, codes_part_stride: int, scales, scales_part_stride: int,
                     numel: int, nparts: int, block: int, qmax: int, int4: bool, perm_n: int, perm_l: int,
-                    p2: int) -> None:
+                    p2: int, seed: int | None = None) -> None:
     """Launch :func:`quantize_kernel` (arguments already validated by :mod:`yashard.quant`)."""
     grid = (triton.cdiv(numel, block), nparts)
     if grid[0] == 0 or nparts == 0:
@@ -192,14 +230,16 @@ def launch_quantize(x, x_part_stride: int, codes, codes_part_stride: int, scales
     if x_bf16:
         x = x.view(torch.int16)
     quantize_kernel[grid](x, x_part_stride, codes, codes_part_stride, scales, scales_part_stride,
-                          numel, block, perm_n, perm_l,
-                          QMAX=qmax, INT4=int4, X_BF16=x_bf16, P2=p2, **_launch_opts(p2))
+                          numel, block, perm_n, perm_l, seed or 0,
+                          QMAX=qmax, INT4=int4, X_BF16=x_bf16, P2=p2, STOCHASTIC=seed is not None,
+                          **_launch_opts(p2))
 
 
 def launch_dequantize(codes, codes_part_stride: int, codes_red_stride: int,
                       scales, scales_part_stride: int, scales_red_stride: int, nred: int,
                       out, out_part_stride: int, qcodes, qcodes_part_stride: int, qscales, qscales_part_stride: int,
-                      numel: int, nparts: int, block: int, qmax: int, int4: bool, p2: int) -> None:
+                      numel: int, nparts: int, block: int, qmax: int, int4: bool, p2: int,
+                      seed: int | None = None) -> None:
     """Launch :func:`dequantize_kernel`; ``out is None`` selects the requantizing variant."""
     grid = (triton.cdiv(numel, block), nparts)
     if grid[0] == 0 or nparts == 0:
@@ -215,6 +255,7 @@ def launch_dequantize(codes, codes_part_stride: int, codes_red_stride: int,
     dequantize_kernel[grid](codes, codes_part_stride, codes_red_stride,
                             scales, scales_part_stride, scales_red_stride, nred,
                             out, out_part_stride, qcodes, qcodes_part_stride, qscales, qscales_part_stride,
-                            numel, block,
-                            QMAX=qmax, INT4=int4, OUT_BF16=out_bf16, REQUANT=requant, P2=p2, **_launch_opts(p2))
+                            numel, block, seed or 0,
+                            QMAX=qmax, INT4=int4, OUT_BF16=out_bf16, REQUANT=requant, P2=p2,
+                            STOCHASTIC=seed is not None, **_launch_opts(p2))
 

@@ -244,11 +244,10 @@ class Comm:
         """The mesh's groups must order their ranks as the topology does (process groups sort by rank)."""
         members = dist.get_process_group_ranks(self.group)
         topo = self.topology
-        for what, group, want in (("shard", self.shard_group, topo.shard_groups[topo.replica_rank]),
-                                  ("replicate", self.replica_group,
-                                   topo.replica_groups[topo.shard_rank] if self.replica_group is not None else None)):
-            if group is None:
-                continue
+        checks = [("shard", self.shard_group, topo.shard_groups[topo.replica_rank])]
+        if self.replica_group is not None:
+            checks.append(("replicate", self.replica_group, topo.replica_groups[topo.shard_rank]))
+        for what, group, want in checks:
             got = dist.get_process_group_ranks(group)
             if got != [members[r] for r in want]:
                 raise RuntimeError(

@@ -150,7 +150,7 @@ class QgzState:
     step. With int4 (step = absmax / 7) that is most of a gradient block: a bias. ``"auto"``
     (default): stochastic for int4, nearest for int8 (step = absmax / 127, little to zero).
     Measured on a tiny model, 200 steps, block 256, final loss against the exact path's: int4
-    nearest +2.4%; int4 stochastic +0.9%, +1.0%, -0.6%, -0.7% over seeds 0-3 (mean +0.1%); int8
+    nearest +2.4%; int4 stochastic +1.2%, +1.0%, -0.6%, -0.7% over seeds 0-3 (mean +0.2%); int8
     nearest +0.3% (tests/test_comm.py, docs/benchmarks.md).
     ``fallbacks`` maps each unit that took the exact reduce-scatter (quantizing
     it would not save bytes: tiny units such as the norm group) to the reason.

@@ -20,6 +20,7 @@ Nothing here touches torch.distributed.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 
 def blocks(world: int, size: int) -> list[list[int]]:
@@ -118,11 +119,11 @@ class Topology:
             return []
         return [g[j:j + h] for g in self.shard_groups for j in range(0, self.shard_size, h)]
 
-    @property
+    @cached_property  # read on the hpZ gather path (secondary_rank): computed once
     def shard_rank(self) -> int:
         return self.shard_groups[self.replica_rank].index(self.rank)
 
-    @property
+    @cached_property
     def replica_rank(self) -> int:
         return next(i for i, g in enumerate(self.shard_groups) if self.rank in g)
 

@@ -96,6 +96,13 @@ def test_log_and_counter_comparison_checks_bytes_and_lists_both_counts():
     assert bc.summarize(swap, 1)["ring_sent"] == 1_000_000 + 500_000  # the send, and the gather's half
     lost = bc.compare_with_log(log, bc.summarize(swap[1:], 1))
     assert "DIFFERENT BYTES" in lost
+    # a 4-rank gloo all-gather of 4 x 1 MB: 3 sends and 3 receives of one shard; the log has one
+    # all-gather of 4 MB. Payloads differ (6 MB against 4 MB), the bytes sent (3 MB) do not.
+    log4 = bc.summarize([bc.Call("all_gather", "x", 4_000_000, 4)], 1)
+    p2p4 = [bc.Call("p2p", op, 1_000_000, 4) for op in ("send", "recv_") * 3]
+    four = bc.compare_with_log(log4, bc.summarize(p2p4, 1))
+    assert "same bytes" in four and "log 3.81 MiB, counter 5.72 MiB" in four
+    assert "DIFFERENT BYTES" in bc.compare_with_log(log4, bc.summarize(p2p4[:4], 1))
 
 # ---------------------------------------------------------------------------------------- statistics
 def test_linear_fit_recovers_a_line_and_scores_noise():

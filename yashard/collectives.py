@@ -301,7 +301,30 @@ class Comm:
         of ``out``. Logged with ``out``'s size."""
         g = self.shard_group if group is None else group
         self.log.add("all_gather", unit, out, self.name(g))
+        if self._is_gloo(g):
+            return self._p2p_all_gather(out, shard, g)
         return _all_gather(out, shard, group=g, async_op=True)
+
+    @staticmethod
+    def _p2p_all_gather(out: torch.Tensor, shard: torch.Tensor, g: dist.ProcessGroup) -> "_Works":
+        """gloo's all-gather into a tensor stages the whole output in a temporary (as large as
+        ``out``) and copies it over, which is slow and makes a CPU run's peak memory depend on the
+        largest unit. Here every rank sends its shard to each peer and receives each peer's shard
+        straight into its chunk of ``out`` (the same bytes on the wire, no staging buffer). Pairs
+        exchange in the same order on every rank: to ``rank + k``, from ``rank - k``."""
+        rank, size = dist.get_rank(g), dist.get_world_size(g)
+        c = shard.numel()
+        own = out.narrow(0, rank * c, c)
+        if own.data_ptr() != shard.data_ptr():
+            own.copy_(shard)
+        if size == 1:
+            return _Works([])
+        ops = []
+        for k in range(1, size):
+            to, frm = (rank + k) % size, (rank - k) % size
+            ops.append(dist.P2POp(dist.isend, shard, dist.get_global_rank(g, to), g))
+            ops.append(dist.P2POp(dist.irecv, out.narrow(0, frm * c, c), dist.get_global_rank(g, frm), g))
+        return _Works(dist.batch_isend_irecv(ops))
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, unit: str, group: dist.ProcessGroup | None = None,
                        *, scratch: torch.Tensor | None = None) -> WorkFuture:

@@ -102,3 +102,14 @@ def test_gloo_all_gather_needs_no_staging_buffer():
     if None in peaks:
         pytest.skip("/proc/self/clear_refs is not writable here: the peak cannot be reset")
     assert max(peaks) < 8, f"all-gather of a 32 MiB output raised the peak RSS by {peaks} MiB"
+
+
+def test_all_gather_names_a_size_or_dtype_mismatch(pg):
+    from yashard.collectives import Comm
+
+    comm = Comm(None)
+    with pytest.raises(ValueError, match=r"the output has 5 torch.float32 elements, the shard 2 torch.float32 "
+                                         r"elements over 1 ranks"):
+        comm.all_gather(torch.zeros(5), torch.zeros(2), "unit")
+    with pytest.raises(ValueError, match=r"the output has 2 torch.bfloat16 elements, the shard 2 torch.float32"):
+        comm.all_gather(torch.zeros(2, dtype=torch.bfloat16), torch.zeros(2), "unit")

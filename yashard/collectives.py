@@ -314,6 +314,11 @@ class Comm:
         exchange in the same order on every rank: to ``rank + k``, from ``rank - k``."""
         rank, size = dist.get_rank(g), dist.get_world_size(g)
         c = shard.numel()
+        if out.numel() != size * c or out.dtype != shard.dtype:
+            raise ValueError(
+                f"all_gather: the output has {out.numel()} {out.dtype} elements, the shard {c} {shard.dtype} "
+                f"elements over {size} ranks; the output must hold {size} x {c} elements of the shard's dtype"
+            )
         own = out.narrow(0, rank * c, c)
         if own.data_ptr() != shard.data_ptr():
             own.copy_(shard)

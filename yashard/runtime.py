@@ -701,7 +701,7 @@ class Runtime:
             self.comm.all_reduce(local, "clip_grad_norm", op="max")  # replicas hold the same shards
             total = local
         else:
-            sq = torch.stack([_sum_of_squares(g) for g in grads]).sum().float() if grads else zero
+            sq = _sum_of_squares(grads).float() if grads else zero
             self.comm.all_reduce(sq, "clip_grad_norm")  # over the shard group: replicas are identical
             total = sq.sqrt()
         coef = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
@@ -765,16 +765,23 @@ class _What:
         return f"{self.op} of {self.unit} ({phase})"
 
 
-def _sum_of_squares(t: torch.Tensor) -> torch.Tensor:
-    """0-d fp64: ``sum(t ** 2)`` of a flat fp32 shard, with bounded scratch and fp32-cascade accuracy.
+def _sum_of_squares(ts: list[torch.Tensor]) -> torch.Tensor:
+    """0-d fp64: the sum of the squares of every element of the flat fp32 shards ``ts``, with no
+    temporary the size of a shard.
 
-    ``t.pow(2).sum()`` allocates a temporary as large as ``t`` (a whole layer's shard), and torch's
-    CPU norm kernels (``vector_norm``, ``_foreach_norm``) accumulate long fp32 tensors with a
-    relative error near 1e-4 (measured on 7.8M elements). Squaring and summing slices of at most
-    ``max(2**20, numel / 64)`` elements keeps the scratch to that slice and the error near 1e-8;
-    the slices' sums are added in fp64."""
-    n = max(1 << 20, -(-t.numel() // 64))
-    return torch.stack([c.pow(2).sum() for c in t.split(n)]).sum(dtype=torch.float64)
+    ``t.pow(2).sum()`` allocates a temporary as large as ``t`` (a whole layer's shard). On CUDA the
+    norm kernels reduce as a tree with no temporary, so one ``_foreach_norm`` does it. torch's CPU
+    norm kernels (``vector_norm``, ``_foreach_norm``) accumulate long fp32 tensors with a relative
+    error near 1e-4 (measured on 7.8M elements), so on CPU slices of at most
+    ``max(2**20, numel / 64)`` elements are squared and summed (scratch: one slice; error near
+    1e-8) and the slices' sums are added in fp64."""
+    if ts[0].device.type != "cpu":
+        return torch.stack(torch._foreach_norm(ts, 2.0)).double().pow(2).sum()
+    parts = []
+    for t in ts:
+        n = max(1 << 20, -(-t.numel() // 64))
+        parts += [c.pow(2).sum() for c in t.split(n)]
+    return torch.stack(parts).sum(dtype=torch.float64)
 
 
 def _nonfinite(t: torch.Tensor) -> torch.Tensor:

@@ -47,6 +47,24 @@ def _gathers(rank: int, world: int) -> dict:
     for w in (w3, w1, w2):
         comm.wait(w, "in flight")
     got.update(a=a, b=b, reduced=red)
+    # The user's own point-to-point traffic (tag 0, the default) next to a gather in flight, as after
+    # an optimizer step (the next forward's first units are gathered then), in a different order on
+    # the two ranks: rank 0 sends before issuing the gather, rank 1 receives after issuing it. Each
+    # receive must match only its own kind of message.
+    import torch.distributed as dist
+
+    ahead = torch.zeros(world * C)
+    theirs = torch.zeros(C + 1)  # another size than a shard
+    req = None
+    if rank == 0:
+        req = dist.isend(torch.full((C + 1,), 42.0), 1)
+    work = comm.all_gather(ahead, _shard(rank, torch.float32) + 0.5, "ahead")
+    if rank == 1:
+        req = dist.irecv(theirs, 0)
+    if req is not None:
+        req.wait()
+    comm.wait(work, "ahead")
+    got.update(ahead=ahead, user=theirs)
     if world == 4:  # a subgroup whose group ranks are not the global ranks: [1, 3] and [0, 2]
         sub = comm.new_subgroups([[1, 3], [0, 2]])
         out = torch.zeros(2 * C)
@@ -65,6 +83,8 @@ def test_gloo_all_gather_and_reduce_scatter_are_exact(world):
             assert got[f"{dtype} in place"] == want, (rank, dtype)
         assert got["a"] == torch.cat([_shard(r, torch.float32) for r in range(world)]).tolist()
         assert got["b"] == torch.cat([-_shard(r, torch.float32) for r in range(world)]).tolist()
+        assert got["ahead"] == torch.cat([_shard(r, torch.float32) + 0.5 for r in range(world)]).tolist()
+        assert got["user"] == ([42.0] if rank == 1 else [0.0]) * (C + 1)
         total = sum(r + 1 for r in range(world))
         assert got["reduced"] == (torch.arange(rank * C, (rank + 1) * C, dtype=torch.float32) * total).tolist()
         if world == 4:
@@ -108,8 +128,19 @@ def test_all_gather_names_a_size_or_dtype_mismatch(pg):
     from yashard.collectives import Comm
 
     comm = Comm(None)
-    with pytest.raises(ValueError, match=r"the output has 5 torch.float32 elements, the shard 2 torch.float32 "
-                                         r"elements over 1 ranks"):
+    comm.log.enabled = True
+    with pytest.raises(ValueError, match=r"all_gather of unit: the output has 5 torch.float32 elements, the "
+                                         r"shard 2 torch.float32 elements over 1 ranks"):
         comm.all_gather(torch.zeros(5), torch.zeros(2), "unit")
     with pytest.raises(ValueError, match=r"the output has 2 torch.bfloat16 elements, the shard 2 torch.float32"):
         comm.all_gather(torch.zeros(2, dtype=torch.bfloat16), torch.zeros(2), "unit")
+    assert comm.log.records == []  # a refused call is not logged (nor counted by the order guard)
+
+
+def test_backend_for_a_device_reads_mixed_backends():
+    from yashard.collectives import backend_for
+
+    assert backend_for("gloo", "cpu") == "gloo"
+    assert backend_for("nccl", "cuda") == "nccl"
+    assert backend_for("cpu:gloo,cuda:nccl", "cuda") == "nccl"   # a CUDA run on a mixed group: NCCL
+    assert backend_for("cpu:gloo,cuda:nccl", "cpu") == "gloo"

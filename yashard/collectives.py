@@ -29,6 +29,21 @@ from .topology import Topology, mesh_shard_groups
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+# Tags of the point-to-point messages yashard's gloo collectives are made of. Not 0 (the default
+# of dist.send / recv / send_object_list): user traffic in the same group never matches ours, and
+# a rank issuing an all-gather where its peer issued a reduce-scatter waits (and times out)
+# instead of receiving the wrong tensor.
+TAG_ALL_GATHER = 0x79610001
+TAG_REDUCE_SCATTER = 0x79610002
+
+
+def backend_for(backend: str, device_type: str) -> str:
+    """The backend that serves ``device_type`` tensors in a group whose backend string is
+    ``backend``: ``"gloo"``, ``"nccl"``, or one entry of a mixed ``"cpu:gloo,cuda:nccl"``."""
+    if ":" not in backend:
+        return backend
+    per_device = dict(part.split(":", 1) for part in backend.split(",") if ":" in part)
+    return per_device.get(device_type, backend)
 
 
 class CollectiveError(RuntimeError):
@@ -187,7 +202,7 @@ class Comm:
         self.device_type = "cuda" if "nccl" in self.backend and torch.cuda.is_available() else "cpu"
         self.log = CollectiveLog()
         self.timeout = timeout  # seconds a wait may take before it raises (None: the group's own timeout)
-        self._gloo: dict[int, bool] = {}
+        self._gloo: dict[tuple[int, str], bool] = {}
         groups = None
         if mesh is not None and mesh.ndim != 1:
             groups = self._mesh_shard_groups(mesh, shard_group_size)
@@ -300,6 +315,13 @@ class Comm:
         group); ``out.numel() == group size * shard.numel()``, and ``shard`` may be this rank's slice
         of ``out``. Logged with ``out``'s size."""
         g = self.shard_group if group is None else group
+        size = dist.get_world_size(g)
+        if out.numel() != size * shard.numel() or out.dtype != shard.dtype:
+            raise ValueError(
+                f"all_gather of {unit}: the output has {out.numel()} {out.dtype} elements, the shard "
+                f"{shard.numel()} {shard.dtype} elements over {size} ranks; the output must hold {size} x "
+                f"{shard.numel()} elements of the shard's dtype"
+            )
         self.log.add("all_gather", unit, out, self.name(g))
         if self._is_gloo(g):
             return self._p2p_all_gather(out, shard, g)
@@ -314,11 +336,6 @@ class Comm:
         exchange in the same order on every rank: to ``rank + k``, from ``rank - k``."""
         rank, size = dist.get_rank(g), dist.get_world_size(g)
         c = shard.numel()
-        if out.numel() != size * c or out.dtype != shard.dtype:
-            raise ValueError(
-                f"all_gather: the output has {out.numel()} {out.dtype} elements, the shard {c} {shard.dtype} "
-                f"elements over {size} ranks; the output must hold {size} x {c} elements of the shard's dtype"
-            )
         own = out.narrow(0, rank * c, c)
         if own.data_ptr() != shard.data_ptr():
             own.copy_(shard)
@@ -327,8 +344,9 @@ class Comm:
         ops = []
         for k in range(1, size):
             to, frm = (rank + k) % size, (rank - k) % size
-            ops.append(dist.P2POp(dist.isend, shard, dist.get_global_rank(g, to), g))
-            ops.append(dist.P2POp(dist.irecv, out.narrow(0, frm * c, c), dist.get_global_rank(g, frm), g))
+            ops.append(dist.P2POp(dist.isend, shard, dist.get_global_rank(g, to), g, TAG_ALL_GATHER))
+            ops.append(dist.P2POp(dist.irecv, out.narrow(0, frm * c, c), dist.get_global_rank(g, frm), g,
+                                  TAG_ALL_GATHER))
         return _Works(dist.batch_isend_irecv(ops))
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, unit: str, group: dist.ProcessGroup | None = None,
@@ -350,8 +368,9 @@ class Comm:
             if size == 2:
                 peer = 1 - rank
                 dst = dist.get_global_rank(g, peer)
-                works = dist.batch_isend_irecv([dist.P2POp(dist.isend, full.narrow(0, peer * c, c), dst, g),
-                                                dist.P2POp(dist.irecv, out, dst, g)])
+                works = dist.batch_isend_irecv([
+                    dist.P2POp(dist.isend, full.narrow(0, peer * c, c), dst, g, TAG_REDUCE_SCATTER),
+                    dist.P2POp(dist.irecv, out, dst, g, TAG_REDUCE_SCATTER)])
                 return WorkFuture(_Works(works), lambda: out.add_(full.narrow(0, rank * c, c)))
             if scratch is not None and size > 2:
                 work = dist.all_to_all_single(scratch, full, group=g, async_op=True)
@@ -364,9 +383,11 @@ class Comm:
         return self._is_gloo(g) and dist.get_world_size(g) > 2
 
     def _is_gloo(self, group: dist.ProcessGroup) -> bool:
-        key = id(group)
+        """Whether gloo carries this rank's tensors in ``group`` (a mixed ``"cpu:gloo,cuda:nccl"``
+        group uses NCCL on CUDA)."""
+        key = (id(group), self.device_type)
         if key not in self._gloo:
-            self._gloo[key] = "gloo" in str(dist.get_backend(group))
+            self._gloo[key] = backend_for(str(dist.get_backend(group)), self.device_type) == "gloo"
         return self._gloo[key]
 
     def all_reduce(self, t: torch.Tensor, unit: str, group: dist.ProcessGroup | None = None, *,

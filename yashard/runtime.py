@@ -766,8 +766,8 @@ class _What:
 
 
 def _sum_of_squares(ts: list[torch.Tensor]) -> torch.Tensor:
-    """0-d fp64: the sum of the squares of every element of the flat fp32 shards ``ts``, with no
-    temporary the size of a shard.
+    """0-d fp64 (fp32 on devices other than CPU and CUDA): the sum of the squares of every element
+    of the flat fp32 shards ``ts``, with no temporary the size of a shard.
 
     ``t.pow(2).sum()`` allocates a temporary as large as ``t`` (a whole layer's shard). On CUDA the
     norm kernels reduce as a tree with no temporary, so one ``_foreach_norm`` does it. torch's CPU
@@ -775,8 +775,9 @@ def _sum_of_squares(ts: list[torch.Tensor]) -> torch.Tensor:
     error near 1e-4 (measured on 7.8M elements), so on CPU slices of at most
     ``max(2**20, numel / 64)`` elements are squared and summed (scratch: one slice; error near
     1e-8) and the slices' sums are added in fp64."""
-    if ts[0].device.type != "cpu":
-        return torch.stack(torch._foreach_norm(ts, 2.0)).double().pow(2).sum()
+    if ts[0].device.type != "cpu":  # fp64 where the device has it (not MPS, not every XPU)
+        acc = torch.float64 if ts[0].device.type == "cuda" else torch.float32
+        return torch.stack(torch._foreach_norm(ts, 2.0)).to(acc).pow(2).sum()
     parts = []
     for t in ts:
         n = max(1 << 20, -(-t.numel() // 64))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import pickle
+import time
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
@@ -132,8 +133,10 @@ class _Works:
         self.works = works
 
     def wait(self, timeout: float | None = None) -> bool:
+        """Wait for every handle; ``timeout`` (seconds) bounds the whole batch, not each handle."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         for w in self.works:
-            _wait(w, timeout)
+            _wait(w, None if deadline is None else max(deadline - time.monotonic(), 1e-3))
         return True
 
 

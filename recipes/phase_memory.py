@@ -14,7 +14,6 @@ benchmark's "training peak" is the maximum of these; this shows which phase it c
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 from types import SimpleNamespace
 
@@ -24,15 +23,7 @@ import torch.distributed as dist
 import bench_engines as be
 
 PHASES = ("forward", "backward", "clip+step+zero_grad")
-
-
-def _mib(key: str) -> float:
-    return be._status_kib(key) / 1024
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+MiB = 2**20
 
 
 def main(argv=None) -> None:
@@ -44,43 +35,41 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    try:
-        _reset_peak()
-    except OSError as e:
-        raise SystemExit(f"phase_memory needs a writable /proc/self/clear_refs to reset the peak: {e}")
+    mem = be.Memory(torch.device("cpu"))
+    mem.reset_peak()
+    if not mem.hwm_resettable:
+        raise SystemExit("phase_memory needs a writable /proc/self/clear_refs to reset the peak")
     be.use_returning_malloc()
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     shape = be.model_shape(args.model)
-    device = torch.device("cpu")
-    gc.collect()
-    base = _mib("VmRSS")
+    base = mem.now()
     eng = getattr(be, f"setup_{args.engine}")(
-        SimpleNamespace(dtype=args.dtype, seed=args.seed, micro_batch=args.micro_batch, accum=1), device, shape)
-    gc.collect()
+        SimpleNamespace(dtype=args.dtype, seed=args.seed, micro_batch=args.micro_batch, accum=1),
+        torch.device("cpu"), shape)
     if rank == 0:
         print(f"{args.engine} {args.model} {args.dtype}, world {world}, micro-batch {args.micro_batch}: "
-              f"RSS increment in MiB over the process before the build; after build {_mib('VmRSS') - base:.1f}")
+              f"RSS increment in MiB over the process before the build; after build {(mem.now() - base) / MiB:.1f}")
         print("| step | " + " | ".join(f"{ph} end (peak)" for ph in PHASES) + " |")
         print("|---:|" + "---:|" * len(PHASES))
     vocab = be.COMMON["vocab_size"]
     for step in range(args.steps):
         batch = be.global_batch(step, args.micro_batch * world, shape["seq"], vocab)
         ids = batch.chunk(world)[rank]
-        cells = []
-        _reset_peak()
+        mem.reset_peak()
         out = eng.model(input_ids=ids, labels=ids)
-        cells.append((_mib("VmRSS"), _mib("VmHWM")))
-        _reset_peak()
+        cells = [(mem.current(), mem.peak())]
+        mem.reset_peak()
         out.loss.backward()
         del out
-        cells.append((_mib("VmRSS"), _mib("VmHWM")))
-        _reset_peak()
+        cells.append((mem.current(), mem.peak()))
+        mem.reset_peak()
         eng.finish()
-        cells.append((_mib("VmRSS"), _mib("VmHWM")))
+        cells.append((mem.current(), mem.peak()))
         if rank == 0:
-            print(f"| {step} | " + " | ".join(f"{e - base:.0f} ({h - base:.0f})" for e, h in cells) + " |", flush=True)
+            print(f"| {step} | " + " | ".join(f"{(e - base) / MiB:.0f} ({(h - base) / MiB:.0f})" for e, h in cells)
+                  + " |", flush=True)
     dist.barrier()
     dist.destroy_process_group()
     os._exit(0)

@@ -449,3 +449,20 @@ def test_progress_bar_on_rank_0_only(pretrain_run):
     assert done, stderr[-2000:]
     assert all(re.search(rf"{key}=\d", done[-1]) for key in ("loss", "tok_s", "mem")), done[-1]
     assert sum(line.startswith("train:   0%") for line in states) <= 1, "more than one rank drew a progress bar"
+
+
+def test_phase_memory_recipe_reports_every_phase_and_constant_memory_after_step_one():
+    """recipes/phase_memory.py: one row per step, each phase's end and peak; from step one on, the
+    memory at the end of every phase is the same step after step (fixed buffers)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pytest.skip("/proc/self/clear_refs is not writable here: the recipe cannot reset the peak")
+    out = run_recipe("phase_memory.py", "--engine", "yashard", "--model", "small", "--steps", "3")
+    assert "| step | forward end (peak) | backward end (peak) | clip+step+zero_grad end (peak) |" in out
+    rows = [[(float(e), float(p)) for e, p in re.findall(r"(-?\d+) \((-?\d+)\)", line)]
+            for line in out.splitlines() if re.match(r"^\| \d+ \|", line)]
+    assert len(rows) == 3 and all(len(r) == 3 for r in rows), out
+    for (e1, _), (e2, _) in zip(rows[1], rows[2]):   # steps 1 and 2: same memory at every phase end
+        assert abs(e2 - e1) <= 3, rows

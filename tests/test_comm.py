@@ -191,39 +191,33 @@ def test_hybrid_from_a_device_mesh():
 
 
 def test_200_step_convergence_of_every_mode():
-    """A tiny model trained 200 steps on real text (bytes of a standard-library module) with qwZ int8,
-    qgZ int8 or the 16-bit hooks ends within 1% of the default's final loss (mean of the last 10
-    steps). int4 gradients (qgZ, alone or with qwZ and hpZ) are
-    rounded stochastically, so one run is one draw: its distance depends on the seed and on the
-    last bits of everything else in the step (a change of the norm's fp32 summation order moved
-    seed 1 from +1.0% to +1.7%; seeds 0-3 measured -0.9% to +1.7%, docs/benchmarks.md). The claim
-    is about the expectation: the mean over four seeds must be within 1%, each run within 2.5%
-    (a broken int4 path lands far outside), and int4 rounded to nearest (biased, 2.4-3.0% away)
-    further than that mean."""
-    common = dict(steps=200, micro=2, seq=32, lr=3e-3, text=True,
+    """A tiny model trained 200 steps on real text (bytes of a standard-library module): with qwZ
+    int8, qgZ int8, the 16-bit hooks, qgZ int4 (four seeds: stochastic rounding makes each run one
+    draw) and qwZ + hpZ + qgZ int4, the final loss (mean of the last 10 steps) ends within 1% of the
+    exact path's. int4 uses QgzState's default block (64).
+
+    lr is 1e-3, where the exact path's loss still falls steadily. At 3e-3 any gradient noise acted
+    as damping of a too-large step: int8 with stochastic rounding (16x less error than int4) moved
+    the final loss by -0.25% to -1.46% over four seeds, so a 1% bound could not tell a good
+    compressor from a bad one. At 1e-3 int8 stochastic moves it by 0.01-0.25%, and int4's effect is
+    systematic: +0.63% to +1.35% with block 256, -0.46% to +0.25% with block 64 (docs/benchmarks.md)."""
+    common = dict(steps=200, micro=2, seq=32, lr=1e-3, text=True,
                   overrides={"num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64, "vocab_size": 256})
-    qgz4 = dict(hook="qgz", hook_kw={"ranks_per_node": 2, "bits": 4, "block": 256})
-    modes = [  # (mode, bound)
-        (dict(), 0.0),  # hybrid and hpZ are exact: they match the reference at every step (tests above)
-        (dict(shard_kw={"quantized_weights": 8, "quant_block": 256}), 0.01),
-        (dict(hook="qgz", hook_kw={"ranks_per_node": 2, "bits": 8, "block": 256}), 0.01),
-        (dict(hook="bf16_compress"), 0.01), (dict(hook="fp16_compress"), 0.01),
-        (dict(shard_kw={"quantized_weights": 8, "quant_block": 256, "secondary_group_size": 2}, **qgz4), 0.025),
-        (dict(hook="qgz", hook_kw={**qgz4["hook_kw"], "rounding": "nearest"}), None),
-    ] + [(dict(hook="qgz", hook_kw={**qgz4["hook_kw"], "seed": seed}), 0.025) for seed in range(4)]
-    scenarios = [scenario(**common, **m) for m, _ in modes]
-    results = run_distributed(run_many, 4, scenarios, timeout=900)[0]
+    modes = [  # hybrid and hpZ are exact: they match the reference at every step (tests above)
+        dict(),
+        dict(shard_kw={"quantized_weights": 8, "quant_block": 256}),
+        dict(hook="qgz", hook_kw={"ranks_per_node": 2, "bits": 8, "block": 256}),
+        dict(hook="bf16_compress"), dict(hook="fp16_compress"),
+        dict(shard_kw={"quantized_weights": 8, "quant_block": 256, "secondary_group_size": 2},
+             hook="qgz", hook_kw={"ranks_per_node": 2, "bits": 4}),
+    ] + [dict(hook="qgz", hook_kw={"ranks_per_node": 2, "bits": 4, "seed": seed}) for seed in range(4)]
+    results = run_distributed(run_many, 4, [scenario(**common, **m) for m in modes], timeout=900)[0]
     final = [sum(r["losses"][-10:]) / 10 for r in results]
     assert final[0] < 0.7 * results[0]["losses"][0], "the default did not learn"
-    dist = [abs(f - final[0]) / final[0] for f in final]
-    print("distance from the default:", [f"{d:.2%}" for d in dist])
-    for (m, bound), d in zip(modes[1:], dist[1:]):
-        if bound is not None:
-            assert d < bound, (m, d)
-    signed = [(f - final[0]) / final[0] for f in final[-4:]]  # int4 stochastic, seeds 0-3
-    mean = sum(signed) / 4
-    assert abs(mean) < 0.01, signed
-    assert dist[-5] > abs(mean), (dist[-5], signed)  # nearest rounding: biased
+    signed = [(f - final[0]) / final[0] for f in final]
+    print("distance from the default:", [f"{d:+.2%}" for d in signed])
+    for m, d in zip(modes[1:], signed[1:]):
+        assert abs(d) < 0.01, (m, d)
 
 
 @pytest.mark.parametrize("case", ["twice", "after_forward", "not_callable", "bad_return", "bad_size"])

@@ -41,7 +41,10 @@ import yashard
 
 LR, WEIGHT_DECAY, CLIP = 1e-3, 0.1, 1.0
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-ENGINES = ("yashard", "fsdp2", "ddp", "fsdp1", "deepspeed", "yashard-noop", "ddp-noop")
+ENGINES = ("yashard", "fsdp2", "ddp", "fsdp1", "deepspeed", "yashard-noop", "ddp-noop", "plain")
+# "plain" (the model itself, no wrapper: world 1 only) is the baseline of the world-1 overhead
+# comparison; the default engine list leaves it out, since the matrix runs at world 2.
+DEFAULT_ENGINES = tuple(e for e in ENGINES if e != "plain")
 
 # Llama shapes. "small": 3.95M parameters, seq 256; "wide": 67.1M parameters, seq 64 (with a batch
 # of one sequence per rank the step is dominated by moving the weights, not by activations).
@@ -306,6 +309,23 @@ def setup_ddp(args, device, shape, *, noop: bool = False) -> Engine:
     return eng
 
 
+def setup_plain(args, device, shape) -> Engine:
+    """The unwrapped model trained on one process: what a data-parallel runtime costs at world 1."""
+    world = dist.get_world_size()
+    if world != 1:
+        raise ValueError(f"the plain engine trains the unwrapped model on one process, but the world has {world} "
+                         f"ranks: run it with torchrun --nproc_per_node 1")
+    model = build_model(shape, args.seed).to(device)
+    opt = torch.optim.AdamW(split_params(model.parameters()), lr=LR)
+    clip = lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)  # noqa: E731
+    if args.dtype == "bf16":
+        autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16)  # noqa: E731
+        precision = "fp32 weights, autocast bf16"
+    else:
+        autocast, precision = contextlib.nullcontext, "fp32"
+    return _torch_engine("plain", precision, model, opt, clip, args.accum, autocast=autocast)
+
+
 def deepspeed_config(args, world: int) -> dict:
     """The DeepSpeed config of the ``deepspeed`` engine (ZeRO-3, same batch, clip and precision)."""
     cfg = {
@@ -362,6 +382,7 @@ SETUP = {
     "deepspeed": setup_deepspeed,
     "yashard-noop": lambda args, device, shape: setup_yashard(args, device, shape, noop=True),
     "ddp-noop": lambda args, device, shape: setup_ddp(args, device, shape, noop=True),
+    "plain": setup_plain,
 }
 
 

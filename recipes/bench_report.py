@@ -153,7 +153,20 @@ def render_run(run: dict) -> str:
         lines += ["", "Headroom (same engine without gradient communication):", "",
                   "| engine | step ms | with noop_hook ms | exposed gradient-communication share |",
                   "|---|---:|---:|---:|", *head]
+    over = plain_rows(run)
+    if over:
+        lines += ["", "Overhead against the unwrapped model trained on the same process (world 1):", "",
+                  "| engine | step ms | plain ms | overhead |", "|---|---:|---:|---:|", *over]
     return "\n".join(lines + [""] + [f"* {f}" for f in run.get("footer", [])]) + "\n"
+
+
+def plain_rows(run: dict) -> list[str]:
+    """``| engine | t | t(plain) | t/t(plain) - 1 |`` for every engine but plain, when plain ran."""
+    medians = {e["name"]: median_time(e["times"]) for e in run["engines"]}
+    if "plain" not in medians:
+        return []
+    base = medians["plain"]
+    return [f"| {n} | {t * 1e3:.1f} | {base * 1e3:.1f} | {t / base - 1:+.1%} |" for n, t in medians.items() if n != "plain"]
 
 
 def headroom_rows(run: dict) -> list[str]:

@@ -101,7 +101,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5, help="timed steps per engine per repeat")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per engine before the first repeat (>= 1)")
     p.add_argument("--repeats", type=int, default=3, help="round-robin rounds over the engines")
-    p.add_argument("--engines", default=",".join(be.ENGINES), help=f"comma list out of {','.join(be.ENGINES)}")
+    p.add_argument("--engines", default=",".join(be.DEFAULT_ENGINES),
+                   help=f"comma list out of {','.join(be.ENGINES)} (plain: world 1 only; default: all but plain)")
     p.add_argument("--seed", type=int, default=0, help="seed of the initial weights (same for every engine)")
     p.add_argument("--out", default=None, help="also write the markdown to this path (rank 0)")
     p.add_argument("--json", default=None, help="also write the raw results as JSON to this path (rank 0)")

@@ -236,3 +236,43 @@ def test_cli_errors(argv, message, capsys):
         benchmark.parse_args(argv)
     assert __import__("re").search(message, capsys.readouterr().err)
 
+
+
+# ---------------------------------------------------------------------------------------- world 1
+def test_render_overhead_against_plain():
+    text = br.render_run(_run([_engine("plain", 0.5), _engine("yashard", 0.52), _engine("ddp", 0.55)]))
+    assert "| yashard | 520.0 | 500.0 | +4.0% |" in text and "| ddp | 550.0 | 500.0 | +10.0% |" in text
+    assert "| plain | 500.0 | 500.0 |" not in text
+    assert "Overhead against" not in br.render_run(_run([_engine("yashard", 1.0)]))
+    assert "plain" not in benchmark.parse_args([]).engines  # the default list leaves it out (world 1 only)
+
+
+def _bench(nproc: int, *args: str) -> str:
+    import os
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                           "--master_port", str(port), str(ROOT / "recipes" / "benchmark.py"), "--model", "small",
+                           "--layers", "2", "--hidden", "64", "--steps", "1", "--warmup", "1", "--repeats", "1", *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_plain_engine_at_world_1_and_its_error_beyond():
+    """At world 1 the plain engine (the unwrapped model) is the baseline of an overhead table and
+    matches the fp32 reference exactly; at world 2 it is reported as not run, with the fix."""
+    import re
+
+    out = _bench(1, "--engines", "plain,yashard")
+    assert re.search(r"\| plain \| fp32 \| [\d.]+ \| 0% \| - \| [\d,]+ \|.*\| \+0\.00e\+00 \| 0\.0e\+00 \|", out), out
+    assert re.search(r"\| yashard \| [\d.]+ \| [\d.]+ \| [+-][\d.]+% \|", out), out
+    out = _bench(2, "--engines", "plain,ddp")
+    assert ("| plain | not run: ValueError: the plain engine trains the unwrapped model on one process, but the "
+            "world has 2 ranks: run it with torchrun --nproc_per_node 1 |") in out, out

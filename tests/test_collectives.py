@@ -56,11 +56,13 @@ def _gathers(rank: int, world: int) -> dict:
     ahead = torch.zeros(world * C)
     theirs = torch.zeros(C + 1)  # another size than a shard
     req = None
-    if rank == 0:
+    if rank == 0 and world > 1:
         req = dist.isend(torch.full((C + 1,), 42.0), 1)
     work = comm.all_gather(ahead, _shard(rank, torch.float32) + 0.5, "ahead")
     if rank == 1:
         req = dist.irecv(theirs, 0)
+    elif world == 1:
+        theirs.fill_(42.0)  # nobody to exchange with
     if req is not None:
         req.wait()
     comm.wait(work, "ahead")
@@ -73,7 +75,7 @@ def _gathers(rank: int, world: int) -> dict:
     return {k: v.tolist() for k, v in got.items()}
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_gloo_all_gather_and_reduce_scatter_are_exact(world):
     results = run_distributed(_gathers, world)
     for rank, got in enumerate(results):
@@ -84,7 +86,7 @@ def test_gloo_all_gather_and_reduce_scatter_are_exact(world):
         assert got["a"] == torch.cat([_shard(r, torch.float32) for r in range(world)]).tolist()
         assert got["b"] == torch.cat([-_shard(r, torch.float32) for r in range(world)]).tolist()
         assert got["ahead"] == torch.cat([_shard(r, torch.float32) + 0.5 for r in range(world)]).tolist()
-        assert got["user"] == ([42.0] if rank == 1 else [0.0]) * (C + 1)
+        assert got["user"] == ([42.0] if rank == 1 or world == 1 else [0.0]) * (C + 1)
         total = sum(r + 1 for r in range(world))
         assert got["reduced"] == (torch.arange(rank * C, (rank + 1) * C, dtype=torch.float32) * total).tolist()
         if world == 4:

@@ -358,7 +358,7 @@ class Comm:
         ``out``; returns a :class:`WorkFuture` of ``out``. Logged with ``full``'s size.
 
         gloo runs its reduce-scatter as a full all-reduce (twice the bytes, and slow), so on gloo
-        two ranks exchange their halves point to point (received straight into ``out``, then the
+        one rank copies, two ranks exchange their halves point to point (received straight into ``out``, then the
         own half is added), and more ranks all-to-all into ``scratch`` (``full``'s size, see
         :meth:`reduce_scatter_needs_scratch`) and sum the chunks in rank order. Sums are exact
         SUMs in ``full``'s dtype; every rank adds in the same order (bitwise-reproducible runs).
@@ -368,6 +368,9 @@ class Comm:
         if self._is_gloo(g):
             rank, size = dist.get_rank(g), dist.get_world_size(g)
             c = out.numel()
+            if size == 1:  # the sum over one rank is a copy (gloo would all-reduce into a temporary)
+                out.copy_(full)
+                return WorkFuture(_Works([]), lambda: out)
             if size == 2:
                 peer = 1 - rank
                 dst = dist.get_global_rank(g, peer)

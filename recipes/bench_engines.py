@@ -1,7 +1,7 @@
 """The engines the benchmark compares, the model they train, and the process memory meter.
 
 Every engine trains the same random-init HF Llama (same seed), with AdamW (lr 1e-3, weight decay
-0.1 on matrices, 0 on 1-D parameters), clipping the global gradient norm to 1.0, on the same
+0.1 on matrices, 0 on 1-D parameters; the implementation chosen by ``--optimizer``, :func:`make_adamw`), clipping the global gradient norm to 1.0, on the same
 global batches in the same order. Each is set up the way its documentation shows:
 
 * ``yashard``: ``yashard.shard`` with ``ShardConfig(param_dtype, reduce_dtype=fp32)``;
@@ -103,6 +103,20 @@ def split_params(params) -> list[dict]:
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": WEIGHT_DECAY},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
+
+
+OPTIMIZERS = ("adamw", "adamw-foreach", "adamw-fused")
+
+
+def make_adamw(groups, args) -> torch.optim.AdamW:
+    """Every engine's optimizer: torch's AdamW at lr ``LR``, in the implementation ``args.optimizer``
+    names (``adamw``: torch's default for the device, single-tensor on CPU; ``adamw-foreach``;
+    ``adamw-fused``: one kernel per tensor, no temporaries)."""
+    kind = getattr(args, "optimizer", "adamw")
+    if kind not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {kind!r}; choose from {', '.join(OPTIMIZERS)}")
+    kw = {"adamw": {}, "adamw-foreach": {"foreach": True}, "adamw-fused": {"fused": True}}[kind]
+    return torch.optim.AdamW(groups, lr=LR, **kw)
 
 
 def deepspeed_missing() -> str | None:
@@ -241,7 +255,7 @@ def setup_yashard(args, device, shape, *, noop: bool = False) -> Engine:
         from yashard import comm_hooks
 
         model.register_comm_hook(None, comm_hooks.noop_hook)
-    opt = torch.optim.AdamW(model.param_groups(weight_decay=WEIGHT_DECAY), lr=LR)
+    opt = make_adamw(model.param_groups(weight_decay=WEIGHT_DECAY), args)
     eng = _torch_engine("yashard-noop" if noop else "yashard", f"{args.dtype} compute, fp32 master + reduce",
                         model, opt, lambda: model.clip_grad_norm_(CLIP), args.accum)
     if noop:
@@ -264,7 +278,7 @@ def setup_fsdp2(args, device, shape) -> Engine:
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
-    opt = torch.optim.AdamW(split_params(model.parameters()), lr=LR)
+    opt = make_adamw(split_params(model.parameters()), args)
     clip = lambda: _local_norm(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP))  # noqa: E731
     return _torch_engine("fsdp2", f"{args.dtype} compute, fp32 master + reduce", model, opt, clip, args.accum)
 
@@ -279,7 +293,7 @@ def setup_fsdp1(args, device, shape) -> Engine:
     mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.dtype == "bf16" else None
     model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({layer_cls}), mixed_precision=mp,
                  device_id=device, use_orig_params=True)
-    opt = torch.optim.AdamW(split_params(model.parameters()), lr=LR)
+    opt = make_adamw(split_params(model.parameters()), args)
     return _torch_engine("fsdp1", f"{args.dtype} compute, fp32 master + reduce", model, opt,
                          lambda: model.clip_grad_norm_(CLIP), args.accum)
 
@@ -293,7 +307,7 @@ def setup_ddp(args, device, shape, *, noop: bool = False) -> Engine:
         from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
 
         model.register_comm_hook(None, noop_hook)
-    opt = torch.optim.AdamW(split_params(model.parameters()), lr=LR)
+    opt = make_adamw(split_params(model.parameters()), args)
     clip = lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)  # noqa: E731
     if args.dtype == "bf16":
         autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16)  # noqa: E731
@@ -316,7 +330,7 @@ def setup_plain(args, device, shape) -> Engine:
         raise ValueError(f"the plain engine trains the unwrapped model on one process, but the world has {world} "
                          f"ranks: run it with torchrun --nproc_per_node 1")
     model = build_model(shape, args.seed).to(device)
-    opt = torch.optim.AdamW(split_params(model.parameters()), lr=LR)
+    opt = make_adamw(split_params(model.parameters()), args)
     clip = lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)  # noqa: E731
     if args.dtype == "bf16":
         autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16)  # noqa: E731
@@ -354,7 +368,7 @@ def setup_deepspeed(args, device, shape) -> Engine:
     deepspeed.utils.logger.setLevel(logging.WARNING)
     deepspeed.init_distributed(dist_backend=dist.get_backend())  # adopts the existing process group
     model = build_model(shape, args.seed)
-    opt = torch.optim.AdamW(split_params(model.parameters()), lr=LR)
+    opt = make_adamw(split_params(model.parameters()), args)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt,
                                            config=deepspeed_config(args, dist.get_world_size()))
 

@@ -125,7 +125,7 @@ def render_run(run: dict) -> str:
         f"({meta['backend']}, {meta['device']})",
         "",
         f"global batch {meta['global_batch']} x seq {meta['seq']} = {meta['tokens']} tokens/step (per rank "
-        f"{meta['micro_batch']} x {meta['accum']} accum); AdamW lr {meta['lr']} wd {meta['wd']}, clip {meta['clip']}; "
+        f"{meta['micro_batch']} x {meta['accum']} accum); AdamW ({meta.get('optimizer', 'adamw')}) lr {meta['lr']} wd {meta['wd']}, clip {meta['clip']}; "
         f"{meta['warmup']} warm-up, {meta['steps']} timed steps x {meta['repeats']} round-robin repeats; "
         f"torch {meta['torch']}, threads/rank {meta['threads']}. Reference: fp32 unsharded, loss "
         f"{meta['ref_loss']:.6f}, grad norm {meta['ref_norm']:.6f}. Memory: each engine's increment of process "

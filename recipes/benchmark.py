@@ -103,6 +103,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="round-robin rounds over the engines")
     p.add_argument("--engines", default=",".join(be.DEFAULT_ENGINES),
                    help=f"comma list out of {','.join(be.ENGINES)} (plain: world 1 only; default: all but plain)")
+    p.add_argument("--optimizer", choices=be.OPTIMIZERS, default="adamw",
+                   help="AdamW implementation of every engine: torch's default (single-tensor on CPU), foreach or fused")
     p.add_argument("--seed", type=int, default=0, help="seed of the initial weights (same for every engine)")
     p.add_argument("--out", default=None, help="also write the markdown to this path (rank 0)")
     p.add_argument("--json", default=None, help="also write the raw results as JSON to this path (rank 0)")
@@ -285,7 +287,7 @@ def run_compare(args, device) -> dict:
     meta = dict(model=args.model, layers=shape["num_hidden_layers"], hidden=shape["hidden_size"], dtype=args.dtype,
                 micro_batch=args.micro_batch, accum=args.accum, world=world, backend=str(dist.get_backend()),
                 device=device.type, n_params=n_params, seq=shape["seq"], global_batch=gb, tokens=gb * shape["seq"],
-                lr=be.LR, wd=be.WEIGHT_DECAY, clip=be.CLIP, warmup=args.warmup, steps=args.steps,
+                lr=be.LR, optimizer=args.optimizer, wd=be.WEIGHT_DECAY, clip=be.CLIP, warmup=args.warmup, steps=args.steps,
                 repeats=args.repeats, torch=torch.__version__, threads=torch.get_num_threads(),
                 ref_loss=ref[0], ref_norm=ref[1], mem_kind="alloc" if device.type == "cuda" else "RSS")
     return dict(meta=meta, engines=out_engines, skipped=skipped, footer=footer)
@@ -309,7 +311,7 @@ def run_zeropp(args, device) -> dict:
         model = yashard.shard(be.build_model(shape, args.seed), config=cfg)
         if mode.get("qgz"):
             model.register_comm_hook(comm_hooks.QgzState(model, ranks_per_node=rpn, bits=4), comm_hooks.qgz_hook)
-        opt = torch.optim.AdamW(model.param_groups(weight_decay=be.WEIGHT_DECAY), lr=be.LR)
+        opt = be.make_adamw(model.param_groups(weight_decay=be.WEIGHT_DECAY), args)
         layers = [u for u in model.runtime.units if u.kind == "layer"]
         m = sum(u.layout.padded for u in layers) * 2
         m_bytes = m if m_bytes is None else m_bytes
@@ -368,7 +370,7 @@ def launch(nproc: int, worker_args: list[str], json_path: str, threads: int) -> 
 
 def _common(args) -> list[str]:
     return ["--steps", str(args.steps), "--warmup", str(args.warmup), "--repeats", str(args.repeats),
-            "--seed", str(args.seed)]
+            "--seed", str(args.seed), "--optimizer", args.optimizer]
 
 
 def sweep_matrix(args) -> str:

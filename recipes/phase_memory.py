@@ -33,6 +33,7 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", default="fp32", choices=sorted(be.DTYPES))
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--optimizer", default="adamw", choices=be.OPTIMIZERS)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     mem = be.Memory(torch.device("cpu"))
@@ -46,10 +47,11 @@ def main(argv=None) -> None:
     shape = be.model_shape(args.model)
     base = mem.now()
     eng = getattr(be, f"setup_{args.engine}")(
-        SimpleNamespace(dtype=args.dtype, seed=args.seed, micro_batch=args.micro_batch, accum=1),
+        SimpleNamespace(dtype=args.dtype, seed=args.seed, micro_batch=args.micro_batch, accum=1,
+                        optimizer=args.optimizer),
         torch.device("cpu"), shape)
     if rank == 0:
-        print(f"{args.engine} {args.model} {args.dtype}, world {world}, micro-batch {args.micro_batch}: "
+        print(f"{args.engine} {args.model} {args.dtype} {args.optimizer}, world {world}, micro-batch {args.micro_batch}: "
               f"RSS increment in MiB over the process before the build; after build {(mem.now() - base) / MiB:.1f}")
         print("| step | " + " | ".join(f"{ph} end (peak)" for ph in PHASES) + " |")
         print("|---:|" + "---:|" * len(PHASES))

@@ -277,7 +277,10 @@ def setup(cfg: TrainConfig) -> Session:
     model = yashard.shard(hf_model, weights=model_path, config=yashard.ShardConfig(
         param_dtype=DTYPES[cfg.param_dtype], reduce_dtype=torch.float32,
         checkpoint_layers=cfg.checkpoint_layers))
-    opt = torch.optim.AdamW(model.param_groups(weight_decay=cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95))
+    # fused: one kernel per flat shard and no temporaries (single-tensor AdamW, torch's default on
+    # CPU, makes two shard-sized ones and ran 6-9x slower on a 60 MiB shard; docs/benchmarks.md)
+    opt = torch.optim.AdamW(model.param_groups(weight_decay=cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95),
+                            fused=True)
 
     # Each optimizer step consumes one global batch of micro_batch * accum_steps * world_size
     # sequences; this rank takes micro_batch * accum_steps of them, in accum_steps micro-batches.

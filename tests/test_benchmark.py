@@ -276,3 +276,16 @@ def test_plain_engine_at_world_1_and_its_error_beyond():
     out = _bench(2, "--engines", "plain,ddp")
     assert ("| plain | not run: ValueError: the plain engine trains the unwrapped model on one process, but the "
             "world has 2 ranks: run it with torchrun --nproc_per_node 1 |") in out, out
+
+
+def test_every_engine_gets_the_optimizer_asked_for():
+    from types import SimpleNamespace
+
+    p = [torch.nn.Parameter(torch.zeros(4, 4))]
+    assert be.make_adamw(p, SimpleNamespace()).defaults["fused"] is None  # torch's default implementation
+    assert be.make_adamw(p, SimpleNamespace(optimizer="adamw-fused")).defaults["fused"] is True
+    assert be.make_adamw(p, SimpleNamespace(optimizer="adamw-foreach")).defaults["foreach"] is True
+    with pytest.raises(ValueError, match=r"unknown optimizer 'sgd'; choose from adamw, adamw-foreach, adamw-fused"):
+        be.make_adamw(p, SimpleNamespace(optimizer="sgd"))
+    args = benchmark.parse_args(["--optimizer", "adamw-fused"])
+    assert benchmark._common(args)[-2:] == ["--optimizer", "adamw-fused"]  # the sweeps pass it on

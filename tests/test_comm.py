@@ -22,8 +22,8 @@ def _bytes(log, phase=None, op=None, group=None, unit_prefix=None):
 
 
 def test_exact_modes_match_the_reference_at_world_4():
-    """Hybrid (2 shard groups of 2), hpZ (secondary groups of 2), both, and the default hook
-    registered explicitly: fp32 parity to 1e-5, and the traffic goes where it should."""
+    """Hybrid (2 shard groups of 2, or 4 of 1: replication), hpZ (secondary groups of 2), both, and
+    the default hook registered explicitly: fp32 parity to 1e-5, and the traffic goes where it should."""
     modes = {
         "hook": dict(hook="reduce_scatter"),
         "hybrid": dict(shard_kw={"shard_group_size": 2}),
@@ -31,6 +31,8 @@ def test_exact_modes_match_the_reference_at_world_4():
         "hybrid+hpz": dict(shard_kw={"shard_group_size": 2, "secondary_group_size": 1}),
         # same global batch in two micro-batches: the secondary shards stay valid across them
         "hpz+accum": dict(shard_kw={"secondary_group_size": 2}, micro=1, accum=2),
+        # shard groups of one rank (pure replication): the gradient slot itself is all-reduced
+        "replicate+accum": dict(shard_kw={"shard_group_size": 1}, micro=1, accum=2),
     }
     scenarios = [scenario(family="qwen2", overrides=H44, steps=4, log_step=1, **kw) for kw in modes.values()]
     results = run_distributed(run_many, 4, scenarios)
@@ -40,7 +42,10 @@ def test_exact_modes_match_the_reference_at_world_4():
         assert res["plan"] == res["allocated"], name  # the memory plan covers the secondary shards too
         assert all(p == res["ptrs"][0] for p in res["ptrs"]), name
     for rank_results in results:
-        hook, hybrid, hpz, both, hpz_accum = (r["log"] for r in rank_results)
+        hook, hybrid, hpz, both, hpz_accum, replicate = (r["log"] for r in rank_results)
+        # replication: the one-rank shard groups gather locally, the gradients are all-reduced
+        assert {r[5] for r in replicate if r[1] in ("all_gather", "reduce_scatter")} == {"shard"}
+        assert _bytes(replicate, op="all_reduce", group="replica") > _bytes(hybrid, op="all_reduce", group="replica")
         # hybrid: gathers and reduce-scatters stay in the shard group; shards are all-reduced across it
         assert {r[5] for r in hybrid if r[1] in ("all_gather", "reduce_scatter")} == {"shard"}
         assert _bytes(hybrid, op="all_reduce", group="replica") > 0

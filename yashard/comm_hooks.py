@@ -95,8 +95,14 @@ def _done(value: torch.Tensor) -> torch.futures.Future:
     return fut
 
 
-def reduce_scatter_hook(state: Any, bucket: GradBucket) -> WorkFuture:
-    """Default: SUM reduce-scatter over the shard group into ``bucket.output()`` (exact)."""
+def reduce_scatter_hook(state: Any, bucket: GradBucket) -> WorkFuture | torch.futures.Future:
+    """Default: SUM reduce-scatter over the shard group into ``bucket.output()`` (exact). Over a
+    one-rank shard group the sum is the buffer itself, and the future holds it (no copy; logged as
+    the reduce-scatter it stands for)."""
+    comm = bucket.comm
+    if comm.shard_world == 1:
+        comm.log.add("reduce_scatter", bucket.name, bucket.buffer(), comm.name(comm.shard_group))
+        return _done(bucket.buffer())
     return bucket.comm.reduce_scatter(bucket.output(), bucket.buffer(), bucket.name,
                                       scratch=_scratch(bucket, bucket.buffer().dtype))
 

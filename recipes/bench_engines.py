@@ -298,6 +298,18 @@ def setup_fsdp1(args, device, shape) -> Engine:
                          lambda: model.clip_grad_norm_(CLIP), args.accum)
 
 
+def _replicated_engine(name, args, device, model, reduce_note: str, **kw) -> Engine:
+    """An engine over a whole-model copy (DDP, plain): fp32 weights, with bf16 through autocast."""
+    opt = make_adamw(split_params(model.parameters()), args)
+    clip = lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)  # noqa: E731
+    if args.dtype == "bf16":
+        autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16)  # noqa: E731
+        precision = "fp32 weights, autocast bf16" + reduce_note
+    else:
+        autocast, precision = contextlib.nullcontext, "fp32"
+    return _torch_engine(name, precision, model, opt, clip, args.accum, autocast=autocast, **kw)
+
+
 def setup_ddp(args, device, shape, *, noop: bool = False) -> Engine:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -307,15 +319,8 @@ def setup_ddp(args, device, shape, *, noop: bool = False) -> Engine:
         from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
 
         model.register_comm_hook(None, noop_hook)
-    opt = make_adamw(split_params(model.parameters()), args)
-    clip = lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)  # noqa: E731
-    if args.dtype == "bf16":
-        autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16)  # noqa: E731
-        precision = "fp32 weights, autocast bf16, fp32 reduce"
-    else:
-        autocast, precision = contextlib.nullcontext, "fp32"
-    eng = _torch_engine("ddp-noop" if noop else "ddp", precision, model, opt, clip, args.accum,
-                        autocast=autocast, no_sync=model.no_sync)
+    eng = _replicated_engine("ddp-noop" if noop else "ddp", args, device, model, ", fp32 reduce",
+                             no_sync=model.no_sync)
     if noop:
         eng.notes.append("noop_hook: gradients not communicated")
     if args.accum > 1:
@@ -329,15 +334,7 @@ def setup_plain(args, device, shape) -> Engine:
     if world != 1:
         raise ValueError(f"the plain engine trains the unwrapped model on one process, but the world has {world} "
                          f"ranks: run it with torchrun --nproc_per_node 1")
-    model = build_model(shape, args.seed).to(device)
-    opt = make_adamw(split_params(model.parameters()), args)
-    clip = lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)  # noqa: E731
-    if args.dtype == "bf16":
-        autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16)  # noqa: E731
-        precision = "fp32 weights, autocast bf16"
-    else:
-        autocast, precision = contextlib.nullcontext, "fp32"
-    return _torch_engine("plain", precision, model, opt, clip, args.accum, autocast=autocast)
+    return _replicated_engine("plain", args, device, build_model(shape, args.seed).to(device), "")
 
 
 def deepspeed_config(args, world: int) -> dict:

@@ -15,12 +15,15 @@ global batches in the same order. Each is set up the way its documentation shows
   (``zero_allow_untested_optimizer``), ``gradient_clipping`` 1.0, bf16 through its ``bf16`` config
   with ``communication_data_type`` fp32 (the others reduce in fp32 too), stage-3 defaults otherwise;
   its own ``engine.backward`` and ``engine.step`` after every micro-batch;
+* ``yashard-noreshard``: ``yashard`` with ``ShardConfig(reshard_after_forward=False)`` (every unit
+  keeps its own weight and gradient buffers: weights gathered once per optimizer step) and, with
+  accumulation, ``model.no_sync()`` on all but the last micro-batch, as DDP runs;
 * ``yashard-noop`` / ``ddp-noop``: the same as ``yashard`` / ``ddp`` with a comm hook that does not
   communicate gradients (``yashard.comm_hooks.noop_hook``; torch's ``ddp_comm_hooks.debugging_hooks.noop_hook``), to
   measure how much of a step is exposed gradient communication. Their gradients are wrong.
 
 The sharded engines (DeepSpeed included) reduce gradients after every micro-batch (their default;
-it keeps gradients sharded); DDP reduces once per optimizer step.
+it keeps gradients sharded); DDP and ``yashard-noreshard`` reduce once per optimizer step.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ import yashard
 
 LR, WEIGHT_DECAY, CLIP = 1e-3, 0.1, 1.0
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-ENGINES = ("yashard", "fsdp2", "ddp", "fsdp1", "deepspeed", "yashard-noop", "ddp-noop", "plain")
+ENGINES = ("yashard", "fsdp2", "ddp", "fsdp1", "deepspeed", "yashard-noop", "ddp-noop", "yashard-noreshard", "plain")
 # "plain" (the model itself, no wrapper: world 1 only) is the baseline of the world-1 overhead
 # comparison; the default engine list leaves it out, since the matrix runs at world 2.
 DEFAULT_ENGINES = tuple(e for e in ENGINES if e != "plain")
@@ -248,18 +251,24 @@ def _torch_engine(name, precision, model, opt, clip, accum, *, autocast=contextl
     return Engine(name, precision, model, micro, finish)
 
 
-def setup_yashard(args, device, shape, *, noop: bool = False) -> Engine:
-    cfg = yashard.ShardConfig(param_dtype=DTYPES[args.dtype], reduce_dtype=torch.float32)
+def setup_yashard(args, device, shape, *, noop: bool = False, reshard: bool = True) -> Engine:
+    cfg = yashard.ShardConfig(param_dtype=DTYPES[args.dtype], reduce_dtype=torch.float32,
+                              reshard_after_forward=reshard)
     model = yashard.shard(build_model(shape, args.seed), config=cfg)
     if noop:
         from yashard import comm_hooks
 
         model.register_comm_hook(None, comm_hooks.noop_hook)
     opt = make_adamw(model.param_groups(weight_decay=WEIGHT_DECAY), args)
-    eng = _torch_engine("yashard-noop" if noop else "yashard", f"{args.dtype} compute, fp32 master + reduce",
-                        model, opt, lambda: model.clip_grad_norm_(CLIP), args.accum)
+    name = "yashard-noop" if noop else "yashard" if reshard else "yashard-noreshard"
+    eng = _torch_engine(name, f"{args.dtype} compute, fp32 master + reduce", model, opt,
+                        lambda: model.clip_grad_norm_(CLIP), args.accum,
+                        no_sync=contextlib.nullcontext if reshard else model.no_sync)
     if noop:
         eng.notes.append("noop_hook: gradients not communicated")
+    if not reshard:
+        eng.notes.append("reshard_after_forward=False" + (", no_sync on all but the last micro-batch"
+                                                          if args.accum > 1 else ""))
     plan = model.memory_plan()
     eng.extra["plan_bytes"], eng.extra["adamw_bytes"] = plan.total_bytes, plan.adamw_bytes
     return eng
@@ -393,6 +402,7 @@ SETUP = {
     "deepspeed": setup_deepspeed,
     "yashard-noop": lambda args, device, shape: setup_yashard(args, device, shape, noop=True),
     "ddp-noop": lambda args, device, shape: setup_ddp(args, device, shape, noop=True),
+    "yashard-noreshard": lambda args, device, shape: setup_yashard(args, device, shape, reshard=False),
     "plain": setup_plain,
 }
 

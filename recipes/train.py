@@ -17,6 +17,7 @@ from step k on, given the same weights and optimizer state.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -70,6 +71,7 @@ class TrainConfig:
     clip: float = field(default=1.0, metadata={"help": "global grad-norm clip (<= 0: no clipping)"})
     param_dtype: str = field(default="fp32", metadata={"help": "compute dtype", "choices": tuple(DTYPES)})
     checkpoint_layers: int = field(default=0, metadata={"help": "decoder layers with activation checkpointing"})
+    reshard_after_forward: bool = field(default=True, metadata={"help": "false: every unit keeps its own buffers (the model's size per rank), gathered once per step; accumulation reduces once per step (no_sync)"})
     eval_every: int = field(default=10, metadata={"help": "eval every N steps (<= 0: only at the end)"})
     eval_batches: int = field(default=4, metadata={"help": "held-out batches (micro_batch per rank) per eval"})
     seed: int = field(default=0, metadata={"help": "seed for model init and batch sampling"})
@@ -276,7 +278,7 @@ def setup(cfg: TrainConfig) -> Session:
     n_params = sum(p.numel() for p in hf_model.parameters())
     model = yashard.shard(hf_model, weights=model_path, config=yashard.ShardConfig(
         param_dtype=DTYPES[cfg.param_dtype], reduce_dtype=torch.float32,
-        checkpoint_layers=cfg.checkpoint_layers))
+        checkpoint_layers=cfg.checkpoint_layers, reshard_after_forward=cfg.reshard_after_forward))
     # fused: one kernel per flat shard and no temporaries (single-tensor AdamW, torch's default on
     # CPU, makes two shard-sized ones and ran 6-9x slower on a 60 MiB shard; docs/benchmarks.md)
     opt = torch.optim.AdamW(model.param_groups(weight_decay=cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95),
@@ -378,11 +380,14 @@ def train_loop(s: Session, profiler=None) -> list[dict]:
         with record_function("yashard::data"):
             batch = rank_slice(s.train_data.global_batch(cfg.seed, step, s.global_batch), s.rank, s.world_size)
         loss_sum = torch.zeros((), device=device)
-        for micro in micro_batches(batch, cfg.accum_steps):
-            with record_function("yashard::forward"):
-                out = s.model(**_to(micro, device), use_cache=False)
-            with record_function("yashard::backward"):
-                (out.loss / cfg.accum_steps).backward()
+        for i, micro in enumerate(micro_batches(batch, cfg.accum_steps)):
+            # without resharding, every micro-batch but the last accumulates unreduced (as DDP's no_sync)
+            hold = not cfg.reshard_after_forward and i < cfg.accum_steps - 1
+            with s.model.no_sync() if hold else contextlib.nullcontext():
+                with record_function("yashard::forward"):
+                    out = s.model(**_to(micro, device), use_cache=False)
+                with record_function("yashard::backward"):
+                    (out.loss / cfg.accum_steps).backward()
             loss_sum += out.loss.detach().float()
         with record_function("yashard::clip_grad_norm"):
             grad_norm = s.model.clip_grad_norm_(max_norm)

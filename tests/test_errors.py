@@ -6,6 +6,7 @@ test of the "no process group" error comes first and needs no group (when one is
 initialised, it runs in a fresh interpreter instead).
 """
 
+import contextlib
 import os
 import re
 import subprocess
@@ -100,6 +101,7 @@ def test_config_bad_shard_align(value):
     ("debug_collectives", "yes", TypeError, r"ShardConfig\.debug_collectives must be a bool, got str"),
     ("collective_timeout", 0, ValueError, r"ShardConfig\.collective_timeout must be a positive number of seconds or None, got 0"),
     ("collective_timeout", "60", ValueError, r"ShardConfig\.collective_timeout must be .* got '60'"),
+    ("reshard_after_forward", "no", TypeError, r"ShardConfig\.reshard_after_forward must be a bool, got str"),
 ])
 def test_config_bad_field(field, value, exc, message):
     with pytest.raises(exc, match=message):
@@ -477,3 +479,102 @@ def test_mesh_errors(pg):
 def test_shard_group_size_that_does_not_divide_the_world(pg):
     with pytest.raises(ValueError, match=r"shard_group_size=2 does not divide the world size 1; use a divisor of 1"):
         yashard.shard(build(), config=yashard.ShardConfig(shard_group_size=2))
+
+
+# ---------------------------------------------------------------------------------------------
+# reshard_after_forward=False and no_sync().
+
+
+def test_config_hpz_without_resharding():
+    with pytest.raises(ValueError, match=r"ShardConfig\.secondary_group_size=2 \(hpZ\) keeps weight slices for the "
+                                         r"backward re-gathers, but reshard_after_forward=False .* drop "
+                                         r"secondary_group_size or use reshard_after_forward=True"):
+        yashard.ShardConfig(reshard_after_forward=False, secondary_group_size=2)
+
+
+def test_no_sync_needs_per_unit_buffers(pg):
+    sm = yashard.shard(build())
+    with pytest.raises(RuntimeError, match=r"model\.no_sync\(\) needs ShardConfig\(reshard_after_forward=False\): "
+                                           r"by default the decoder layers take turns in two gradient buffers"):
+        with sm.no_sync():
+            pass
+
+
+def test_no_sync_needs_fp32_gradient_buffers(pg):
+    sm = yashard.shard(build(), config=yashard.ShardConfig(reshard_after_forward=False, reduce_dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match=r"model\.no_sync\(\) would add micro-batches' gradients in the "
+                                           r"reduce_dtype=bfloat16 gradient buffers.*reduce_dtype=torch\.float32"):
+        with sm.no_sync():
+            pass
+
+
+def _unsynced():
+    sm = yashard.shard(build(), config=yashard.ShardConfig(reshard_after_forward=False))
+    with sm.no_sync():
+        _loss(sm).backward()
+    return sm
+
+
+@pytest.mark.parametrize("call, what", [
+    (lambda sm: torch.optim.AdamW(sm.parameters()).step(), r"AdamW\.step\(\)"),
+    (lambda sm: sm.clip_grad_norm_(1.0), r"clip_grad_norm_"),
+    (lambda sm: sm.full_grads(), r"full_grads\(\)"),
+])
+def test_unreduced_gradients_are_refused(pg, call, what):
+    sm = _unsynced()
+    with pytest.raises(RuntimeError, match=what + r" after a backward inside model\.no_sync\(\): the gradients of "
+                                                  r"model\.embed_tokens, model\.layers\.0, model\.layers\.1 and 4 more "
+                                                  r"were accumulated on this rank but never reduced across ranks\. "
+                                                  r"Run the last micro-batch's forward and backward outside no_sync\(\)"):
+        call(sm)
+
+
+def _grads(sm) -> dict:
+    return {k: v.clone() for k, v in sm.full_grads().items()}
+
+
+def test_no_sync_accumulates_and_zero_grad_drops_what_it_held(pg):
+    """no_sync + one synced backward gives the gradients of both micro-batches; a zero_grad in
+    between (either mode) drops what no_sync held, as it drops DDP's accumulated .grad."""
+    cfg = yashard.ShardConfig(reshard_after_forward=False)
+    ref = yashard.shard(build(), config=cfg)
+    _loss(ref, 0).backward()
+    _loss(ref, 1).backward()
+    both = _grads(ref)
+    ref.zero_grad()
+    _loss(ref, 1).backward()
+    second = _grads(ref)
+
+    sm = yashard.shard(build(), config=cfg)
+    opt = torch.optim.SGD(sm.parameters(), lr=0.0)
+    with sm.no_sync():
+        _loss(sm, 0).backward()
+    _loss(sm, 1).backward()
+    for k, v in _grads(sm).items():
+        torch.testing.assert_close(v, both[k], rtol=1e-6, atol=1e-9)
+    for set_to_none in (True, False):
+        opt.zero_grad(set_to_none=set_to_none)
+        with sm.no_sync():
+            _loss(sm, 0).backward()
+        opt.zero_grad(set_to_none=set_to_none)
+        _loss(sm, 1).backward()
+        for k, v in _grads(sm).items():
+            torch.testing.assert_close(v, second[k], rtol=1e-6, atol=1e-9)
+
+
+def test_no_sync_keeps_gradients_of_parameters_the_last_micro_batch_skips(pg):
+    """A parameter with gradients in a no_sync() micro-batch and none in the synced one keeps what
+    was held (the unwritten ranges of a held buffer are not zeroed)."""
+    def run(sm, no_sync: bool):
+        mlp = sm.module.model.layers[1].mlp
+        with sm.no_sync() if no_sync else contextlib.nullcontext():
+            _loss(sm, 0).backward()
+        mlp.forward = lambda x: mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)))  # up_proj gets no gradient
+        _loss(sm, 1).backward()
+        return _grads(sm)
+
+    want = run(yashard.shard(build()), no_sync=False)
+    got = run(yashard.shard(build(), config=yashard.ShardConfig(reshard_after_forward=False)), no_sync=True)
+    assert torch.count_nonzero(want["model.layers.1.mlp.up_proj.weight"]) > 0
+    for k, v in got.items():
+        torch.testing.assert_close(v, want[k], rtol=1e-6, atol=1e-9)

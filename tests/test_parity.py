@@ -138,3 +138,52 @@ def test_mistral_qwen3_gemma_and_sdpa_parity():
     results = run_distributed(run_many, 2, scenarios)[0]
     for s, res in zip(scenarios, results):
         check_fp32(res, run_reference({**s, "world": 2}))
+
+
+PER_UNIT = {"reshard_after_forward": False}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_per_unit_buffers_and_no_sync_accumulation(world):
+    """reshard_after_forward=False (every unit keeps its own buffers) with and without no_sync():
+    the same trajectory as the reference, every unit gathered at most once per step, nothing
+    re-gathered in backward, and with no_sync each unit reduced once per step, not per micro-batch."""
+    units = 7  # embed, 4 layers, lm_head, the norm group
+    cases = [((4, 1), False), ((2, 2), True), ((2, 2), False)]  # 4 sequences per rank in every case
+    if world == 2:
+        cases += [((1, 4), True)]
+    scenarios = [scenario(micro=m, accum=a, steps=4, grads_every_step=True, log_step=2, shard_kw=PER_UNIT,
+                          no_sync=ns, overrides={"hidden_size": 44, "num_attention_heads": 2,
+                                                 "num_key_value_heads": 1}) for (m, a), ns in cases]
+    results = run_distributed(run_many, world, scenarios)
+    ref = run_reference({**scenarios[0], "world": world})
+    for ((_, accum), ns), res in zip(cases, results[0]):
+        assert loss_rel_err(res["losses"], ref["losses"]) < 1e-5
+        for got, want in zip(res["grads"], ref["grads"]):
+            err, name = max_rel_err(got, want)
+            assert err < 1e-5, (name, err)
+        assert_params_close(res["params"], ref["params"], 1e-5)
+        assert res["plan"] == res["allocated"] and all(p == res["ptrs"][0] for p in res["ptrs"])
+        gathers = Counter((r[0], r[2]) for r in res["log"] if r[1] == "all_gather")
+        reductions = Counter(r[2] for r in res["log"] if r[1] == "reduce_scatter")
+        # The norm group and the embedding were gathered right after step 1 (outside the log).
+        assert all(phase == "fwd" for phase, _ in gathers), gathers
+        assert sorted(u for _, u in gathers) == ["layer_0", "layer_1", "layer_2", "layer_3", "lm_head"], gathers
+        assert len(reductions) == units and set(reductions.values()) == {1 if ns else accum}, reductions
+
+
+def test_per_unit_buffers_with_no_sync_tied_unused_bf16():
+    cases = [scenario(overrides={"tie_word_embeddings": True}, micro=1, accum=2, no_sync=True, steps=4),
+             # layer 1's up_proj gets no gradient in any micro-batch: its range is zeroed once and
+             # must stay zero while the other micro-batches accumulate around it
+             scenario(unused=1, wd=0.0, micro=1, accum=3, no_sync=True, steps=4, grads_every_step=True),
+             scenario(dtype="bf16", micro=1, accum=2, no_sync=True)]
+    cases = [{**s, "shard_kw": PER_UNIT} for s in cases]
+    results = run_distributed(run_many, 2, cases)[0]
+    for s, res in zip(cases[:2], results[:2]):
+        check_fp32(res, run_reference({**s, "world": 2}))
+    for g in results[1]["grads"]:
+        assert torch.count_nonzero(g["model.layers.1.mlp.up_proj.weight"]) == 0
+    ref = run_reference({**cases[2], "world": 2})
+    assert loss_rel_err(results[2]["losses"], ref["losses"]) < 1e-2
+    assert_params_close(results[2]["params"], ref["params"], 2e-2, noise_rtol=None, tensor_rtol=5e-2)

@@ -186,6 +186,24 @@ def test_stop_and_resume_reproduce_the_uninterrupted_run_bitwise(pretrain_run, t
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in b)
 
 
+def test_pretrain_without_resharding_follows_the_default_run(pretrain_run, tmp_path):
+    """--reshard-after-forward false (per-unit buffers; the first of the two micro-batches runs under
+    no_sync) logs the losses and grad norms of the default run: only the order of the fp32
+    additions differs (micro-batches summed before the reduction instead of after)."""
+    full_out, _ = pretrain_run
+    (tmp_path / "config.json").write_text(json.dumps(TINY_CONFIG))
+    out = tmp_path / "out"
+    stdout = run_recipe("pretrain.py", "--config", str(tmp_path / "config.json"), "--steps", str(PRETRAIN_STEPS),
+                        "--eval-every", "8", "--save-every", "0", "--out-dir", str(out),
+                        "--reshard-after-forward", "false", *PRETRAIN_ARGS)
+    assert "slot layer_1 " in stdout and "slot layer_even" not in stdout  # a slot per unit in the plan
+    got, want = read_log(out / "log.jsonl"), read_log(full_out / "log.jsonl")
+    assert [r["step"] for r in got] == list(range(1, PRETRAIN_STEPS + 1))
+    for key in ("loss", "grad_norm", "eval_loss"):
+        a, b = [r.get(key) for r in got if key in r], [r.get(key) for r in want if key in r]
+        assert a == pytest.approx(b, rel=1e-4), (key, a, b)
+
+
 def test_soak_short(tmp_path, capsys):
     """recipes/soak.py in brief: a 12-step run cut into segments at world 1 then 2 (resuming from
     sharded checkpoints) matches the same run done in one go at world 2."""

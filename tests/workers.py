@@ -7,6 +7,8 @@ rows ``[r * B/W, (r + 1) * B/W)`` of the global batch and splits them into ``acc
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -18,6 +20,7 @@ DEFAULTS = dict(
     dtype="fp32", ckpt=0, grads_every_step=False, unused=None, zero_grad_none=True, seed=0,
     shard_kw={}, hook=None, hook_kw={}, log_step=None, reduce_dtype="fp32", data_cycle=None, text=False,
     mesh=None,  # rows of ranks: a 2-D (replicate, shard) DeviceMesh; one row: a 1-D mesh
+    no_sync=False,  # every micro-batch but the last runs forward and backward inside sm.no_sync()
 )
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -105,11 +108,13 @@ def run_sharded(rank: int, world: int, s: dict) -> dict:
         local = batch.chunk(world)[rank]
         step_loss = torch.zeros(())
         log.enabled = step == s["log_step"]
-        for micro in local.chunk(s["accum"]):
-            out = sm(input_ids=micro, labels=micro)
-            logged.extend(("fwd", *r) for r in log.records)
-            log.clear()
-            (out.loss / s["accum"]).backward()
+        micros = local.chunk(s["accum"])
+        for i, micro in enumerate(micros):
+            with sm.no_sync() if s["no_sync"] and i < len(micros) - 1 else contextlib.nullcontext():
+                out = sm(input_ids=micro, labels=micro)
+                logged.extend(("fwd", *r) for r in log.records)
+                log.clear()
+                (out.loss / s["accum"]).backward()
             logged.extend(("bwd", *r) for r in log.records)
             log.clear()
             step_loss += out.loss.detach().float() / s["accum"]

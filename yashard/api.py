@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
@@ -82,6 +83,29 @@ class ShardedModel(nn.Module):
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Full fp32 gradients by HF name (zeros where none). Collective: call on every rank."""
         return self._runtime.gather_full("grads")
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Context manager, as DDP's and FSDP1's ``no_sync``: the backward of a forward run inside it
+        reduces nothing; every unit's gradients accumulate, unreduced, in its own gradient buffer
+        (fp32), and the next backward of a forward outside it adds its own and reduces the sum, once
+        per unit. So with gradient accumulation only the last micro-batch communicates::
+
+            for i, micro in enumerate(micro_batches):
+                with model.no_sync() if i < len(micro_batches) - 1 else contextlib.nullcontext():
+                    (model(input_ids=micro, labels=micro).loss / len(micro_batches)).backward()
+
+        Needs ``ShardConfig(reshard_after_forward=False)`` (the buffers are per unit) and an fp32
+        ``reduce_dtype``. The optimizer step, ``clip_grad_norm_`` and ``full_grads`` refuse
+        gradients that were accumulated but not yet reduced; ``zero_grad`` drops them."""
+        rt = self._runtime
+        rt.check_no_sync()
+        previous = rt.require_grad_sync
+        rt.require_grad_sync = False
+        try:
+            yield
+        finally:
+            rt.require_grad_sync = previous
 
     def register_comm_hook(self, state, hook) -> None:
         """Replace how each unit's gradients are reduced, like DDP's ``register_comm_hook``:

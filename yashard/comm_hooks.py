@@ -51,8 +51,9 @@ class GradBucket:
         name: the unit (``"layer_3"``, ``"embed"``, ``"lm_head"``, ``"small"`` for the norm group).
         last: True for the norm group's bucket, the last of every backward.
         slot: the gradient buffer the bucket lives in (``"layer_even"``, ``"layer_odd"``, ``"outer"``,
-            ``"small"``); the reduction of a bucket always finishes before the next bucket of the
-            same slot is written, so per-slot scratch is never shared by two reductions in flight.
+            ``"small"``; with ``reshard_after_forward=False`` the unit's own, named after it). A
+            reduction starts only after the previous one finished (rule R6), so one scratch
+            buffer per purpose is never shared by two reductions in flight.
         comm: the :class:`~yashard.collectives.Comm` (groups and logged collectives); the shard
             group is ``comm.shard_group``.
     """
@@ -108,11 +109,11 @@ def reduce_scatter_hook(state: Any, bucket: GradBucket) -> WorkFuture | torch.fu
 
 
 def _scratch(bucket: GradBucket, dtype: torch.dtype) -> torch.Tensor | None:
-    """The receive buffer ``Comm.reduce_scatter`` needs on this backend (gloo, > 2 ranks), per
-    gradient buffer: two reductions of one buffer are never in flight together (rule R4)."""
+    """The receive buffer ``Comm.reduce_scatter`` needs on this backend (gloo, > 2 ranks), one for
+    every bucket: a reduction starts only after the previous one finished (rule R6)."""
     if not bucket.comm.reduce_scatter_needs_scratch():
         return None
-    return bucket.workspace(f"reduce_scatter.{bucket.slot}", bucket.buffer().numel(), dtype)
+    return bucket.workspace("reduce_scatter", bucket.buffer().numel(), dtype)
 
 
 def noop_hook(state: Any, bucket: GradBucket) -> torch.futures.Future:
@@ -129,8 +130,9 @@ def _compress_hook(dtype: torch.dtype):
         if buf.dtype == dtype:
             return reduce_scatter_hook(state, bucket)
         tag = str(dtype).replace("torch.", "")
-        low = bucket.workspace(f"{tag}_compress.in.{bucket.slot}", buf.numel(), dtype)  # per slot: two
-        low_out = bucket.workspace(f"{tag}_compress.out.{bucket.slot}", out.numel(), dtype)  # may be in flight
+        # One pair for every bucket: the previous reduction finished before this hook runs (R6).
+        low = bucket.workspace(f"{tag}_compress.in", buf.numel(), dtype)
+        low_out = bucket.workspace(f"{tag}_compress.out", out.numel(), dtype)
         low.copy_(buf)
         reduced = bucket.comm.reduce_scatter(low_out, low, bucket.name, scratch=_scratch(bucket, dtype))
         return reduced.then(lambda f: out.copy_(f.value()))

@@ -47,6 +47,17 @@ class ShardConfig:
             ``quant_block`` elements and dequantize into the weight buffer; the fp32 master shards are
             never quantized. ``None``: off. The norm group is never quantized.
         quant_block: elements per quantization block (one fp32 scale each) for qwZ.
+        reshard_after_forward: ``True`` (the YaFSDP design): the decoder layers take turns in two
+            weight+gradient buffers (even and odd layers), so each layer is gathered for its forward
+            and again for its backward, and its gradients are reduced after every backward.
+            ``False``: every unit gets a weight+gradient buffer of its own, allocated once like the
+            others (``memory_plan()`` lists them: the whole padded model in ``param_dtype`` +
+            ``reduce_dtype`` per rank, as DDP or ZeRO-2 hold it). Weights are then gathered once per
+            optimizer step and stay for every micro-batch, and :meth:`ShardedModel.no_sync`
+            accumulates gradients unreduced until the last micro-batch, so a step with gradient
+            accumulation moves as many bytes as one without. Masters, their gradients and the
+            optimizer state stay sharded. Not combinable with ``secondary_group_size`` (hpZ keeps
+            slices for backward re-gathers, which this mode has none of).
         on_nonfinite: what a NaN/inf in the gradients does at the next optimizer step: ``"raise"``
             (:class:`yashard.NonFiniteError` naming the layer whose forward output, else whose
             gradients, first went non-finite, and the ranks), ``"skip"`` (a warning, and the
@@ -72,6 +83,7 @@ class ShardConfig:
     secondary_group_size: int | None = None
     quantized_weights: int | None = None
     quant_block: int = 4096
+    reshard_after_forward: bool = True
     on_nonfinite: str = "raise"
     debug_collectives: bool = False
     collective_timeout: float | None = 600.0
@@ -113,6 +125,16 @@ class ShardConfig:
         if isinstance(self.quant_block, bool) or not isinstance(self.quant_block, int) or not 2 <= self.quant_block <= 32768 \
                 or self.quant_block % 2:
             raise ValueError(f"ShardConfig.quant_block must be an even int in [2, 32768], got {self.quant_block!r}")
+        if not isinstance(self.reshard_after_forward, bool):
+            raise TypeError(
+                f"ShardConfig.reshard_after_forward must be a bool, got {type(self.reshard_after_forward).__name__}"
+            )
+        if not self.reshard_after_forward and self.secondary_group_size is not None:
+            raise ValueError(
+                f"ShardConfig.secondary_group_size={self.secondary_group_size} (hpZ) keeps weight slices for the "
+                "backward re-gathers, but reshard_after_forward=False keeps every unit's weights gathered, so there "
+                "are none; drop secondary_group_size or use reshard_after_forward=True"
+            )
         if self.on_nonfinite not in ("raise", "skip", "ignore"):
             raise ValueError(f"ShardConfig.on_nonfinite={self.on_nonfinite!r}; use 'raise', 'skip' or 'ignore'")
         if not isinstance(self.debug_collectives, bool):

@@ -5,6 +5,7 @@ parameters of the optimizer being stepped:
 
 * a parameter that ``yashard.shard`` removed from the model (the optimizer was built before
   ``shard``) raises: stepping it would silently train nothing;
+* gradients that a ``no_sync()`` backward accumulated but no backward reduced yet raise;
 * for every yashard runtime whose master shards the optimizer holds, :func:`step_checks` runs: non-finite gradients or forward outputs (``ShardConfig.on_nonfinite``) and, with
   ``ShardConfig.debug_collectives``, the comparison of every rank's collective sequence.
 
@@ -86,6 +87,7 @@ def _runtimes(optimizer, check: bool) -> list:
 
 def _before_step(optimizer, args, kwargs):
     for rt in _runtimes(optimizer, check=True):
+        rt.check_grads_reduced(f"{type(optimizer).__name__}.step()")
         step_checks(rt)
     return None
 

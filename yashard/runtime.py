@@ -62,6 +62,8 @@ class Runtime:
         self.dp_world = comm.world      # data-parallel ranks: the post-divide factor
         self.streams = Streams(device)
         self.grad_fwd_id = 0        # id of the latest grad-enabled forward
+        self.require_grad_sync = True  # False inside ShardedModel.no_sync()
+        self._fwd_sync = True       # require_grad_sync at the latest grad-enabled forward (its backward's)
         self.in_backward = False
         self.pending: list[Pending] = []
         self._last_reduction: Pending | None = None  # R6: the reduction writing reduce_out
@@ -173,14 +175,11 @@ class Runtime:
                               shard_align=cfg.shard_align)
             for key, members in groups.items()
         }
-        layer_keys = [k for k in groups if k.startswith("layer_")]
-        outer_keys = [k for k in ("embed", "lm_head") if k in groups]
-        slot_sizes = {
-            "layer_even": max((layouts[k].padded for k in layer_keys[0::2]), default=0),
-            "layer_odd": max((layouts[k].padded for k in layer_keys[1::2]), default=0),
-            "outer": max((layouts[k].padded for k in outer_keys), default=0),
-            "small": layouts["small"].padded if "small" in layouts else 0,
-        }
+        slot_of = _slot_names(list(groups), cfg.reshard_after_forward)
+        slot_sizes: dict[str, int] = {}
+        for key in sorted(slot_of, key=lambda k: (not k.startswith("layer_"), k == "small")):  # layers first
+            name = slot_of[key]
+            slot_sizes[name] = max(slot_sizes.get(name, 0), layouts[key].padded)
         gdt = cfg.wire_dtype
         self.slots = {
             name: Slot(name, numel, w, cfg.param_dtype, gdt, self.device)
@@ -189,9 +188,8 @@ class Runtime:
         }
         # One reduce-scatter output for every slot: reductions run one after the other (R6).
         self.reduce_out = torch.empty(max(s.numel for s in self.slots.values()) // w, dtype=gdt, device=self.device)
-        if self.comm.reduce_scatter_needs_scratch():  # the default hook's receive buffers (gloo, > 2 ranks)
-            for slot in self.slots.values():
-                self._workspace(f"reduce_scatter.{slot.name}", slot.numel, gdt)
+        if self.comm.reduce_scatter_needs_scratch():  # the default hook's receive buffer (gloo, > 2 ranks)
+            self._workspace("reduce_scatter", max(s.numel for s in self.slots.values()), gdt)
         if cfg.quantized_weights:  # qwZ: codes + scales of every rank's shard, gathered in one collective
             for slot in self.slots.values():
                 if slot.name != "small":
@@ -205,13 +203,11 @@ class Runtime:
         self.embed = self.lm_head = self.small = None
         for key, members in groups.items():
             layout = layouts[key]
+            slot = self.slots[slot_of[key]]
             if key.startswith("layer_"):
-                idx = int(key.split("_")[1])
-                kind, slot = "layer", self.slots["layer_even" if idx % 2 == 0 else "layer_odd"]
-            elif key == "small":
-                idx, kind, slot = -1, "small", self.slots["small"]
+                idx, kind = int(key.split("_")[1]), "layer"
             else:
-                idx, kind, slot = -1, "outer", self.slots["outer"]
+                idx, kind = -1, "small" if key == "small" else "outer"
             master = nn.Parameter(masters.pop(key))
             unit = Unit(
                 self, key, kind, idx, layout,
@@ -380,6 +376,7 @@ class Runtime:
         grad = torch.is_grad_enabled()
         if grad:
             self.grad_fwd_id += 1
+            self._fwd_sync = self.require_grad_sync
         self._fwd_cursor = 0
         self._bwd_last_layer = None
         self._refresh_sources()
@@ -506,6 +503,11 @@ class Runtime:
             torch._foreach_zero_([u.grad_storage for u in fresh])
             for u in fresh:
                 u.master.grad = u.grad_storage
+        fresh_ids = {id(u) for u in fresh}
+        for u in self.units:  # zero_grad() since a no_sync() backward drops what it accumulated, as in DDP
+            if u.unreduced and (id(u) in fresh_ids or u.master.grad is not u.grad_storage
+                                or u.grad_storage._version != u.unreduced_version):
+                u.unreduced = False
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def on_unit_backward_start(self, unit: Unit, fwd_id: int) -> None:
@@ -561,6 +563,13 @@ class Runtime:
         compute = self.streams.compute
         if unit.kind != "small":
             slot.release = self.streams.record(compute)  # weights no longer read (R1 for re-gathers)
+        unit.grad_claimed = False
+        unit.reduced_in_pass = True
+        if not self._fwd_sync:  # no_sync(): the unit's own grad slot keeps accumulating, unreduced
+            unit.unreduced = True
+            unit.unreduced_version = unit.grad_storage._version
+            return
+        unit.unreduced = False
         ready = self.streams.record(compute)
         n = unit.layout.shard_numel
         if self._last_reduction is not None:
@@ -604,8 +613,6 @@ class Runtime:
         slot.grad_busy = pending
         self._last_reduction = pending
         self.pending.append(pending)
-        unit.grad_claimed = False
-        unit.reduced_in_pass = True
 
     def _end_backward(self) -> None:
         """Autograd's final callback: reduce the norm group and anything not yet reduced, then wait."""
@@ -640,6 +647,34 @@ class Runtime:
         if buf is None or buf.numel() < numel or buf.dtype != dtype:
             buf = self._workspaces[name] = torch.empty(numel, dtype=dtype, device=self.device)
         return buf.narrow(0, 0, numel)
+
+    def check_no_sync(self) -> None:
+        """Refuse ``no_sync()`` where unreduced gradients cannot be held exactly."""
+        if self.config.reshard_after_forward:
+            raise RuntimeError(
+                "model.no_sync() needs ShardConfig(reshard_after_forward=False): by default the decoder layers take "
+                "turns in two gradient buffers, so a layer's gradients must be reduced before the layer two below "
+                "writes its own. Shard with reshard_after_forward=False (every unit keeps a buffer of its own; "
+                "memory_plan() shows the cost) or drop no_sync() (reducing every micro-batch gives the same gradients)"
+            )
+        if self.config.wire_dtype != torch.float32:
+            raise RuntimeError(
+                f"model.no_sync() would add micro-batches' gradients in the reduce_dtype="
+                f"{str(self.config.wire_dtype).replace('torch.', '')} gradient buffers, rounding at every micro-batch; "
+                "use ShardConfig(reduce_dtype=torch.float32) or drop no_sync() (each micro-batch's reduced gradient "
+                "is then accumulated in fp32)"
+            )
+
+    def check_grads_reduced(self, what: str) -> None:
+        """Raise if a ``no_sync()`` backward left gradients that were never reduced across ranks."""
+        held = [self.module_name(u) for u in self.units if u.unreduced]
+        if held:
+            names = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+            raise RuntimeError(
+                f"{what} after a backward inside model.no_sync(): the gradients of {names} were accumulated on "
+                "this rank but never reduced across ranks. Run the last micro-batch's forward and backward outside "
+                "no_sync() (that backward reduces everything accumulated), or zero_grad() to drop them"
+            )
 
     def register_comm_hook(self, state, hook) -> None:
         """Replace how each unit's gradients are reduced (contract in :mod:`yashard.comm_hooks`)."""
@@ -691,6 +726,7 @@ class Runtime:
         """Clip every gradient shard by the global norm (a collective over the shard group);
         returns the norm before clipping. No temporary the size of a shard is allocated (see
         :func:`_sum_of_squares`)."""
+        self.check_grads_reduced("clip_grad_norm_")
         norm_type = float(norm_type)
         grads = [u.master.grad for u in self.units if u.master.grad is not None]
         if norm_type not in (2.0, math.inf):
@@ -712,6 +748,8 @@ class Runtime:
     @torch.no_grad()
     def gather_full(self, what: str = "params") -> dict[str, torch.Tensor]:
         """Full fp32 tensors by HF name, gathered from every rank (a collective: call on all ranks)."""
+        if what == "grads":
+            self.check_grads_reduced("full_grads()")
         out: dict[str, torch.Tensor] = {}
         for u in self.units:
             if what == "params":
@@ -732,6 +770,23 @@ class Runtime:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+
+def _slot_names(keys: list[str], alternate: bool) -> dict[str, str]:
+    """Which slot each unit (by key) owns in turn.
+
+    ``alternate`` (``reshard_after_forward=True``): even and odd decoder layers share
+    ``layer_even`` / ``layer_odd``, the embedding and the lm_head share ``outer``, the norm group
+    has ``small``. Otherwise every unit has a slot of its own, named after it."""
+    if not alternate:
+        return {k: k for k in keys}
+    out = {}
+    for k in keys:
+        if k.startswith("layer_"):
+            out[k] = "layer_even" if int(k.split("_")[1]) % 2 == 0 else "layer_odd"
+        else:
+            out[k] = k if k == "small" else "outer"
+    return out
 
 
 def _checkpointed_forward(inner, *args, **kwargs):

@@ -59,6 +59,10 @@ class Unit:
         self.grad_claimed = False
         self.written = [False] * len(layout.entries)
         self.reduced_in_pass = False
+        # no_sync(): the grad slot holds this unit's gradients of earlier backwards, not yet reduced
+        # (only with reshard_after_forward=False, where the slot is the unit's alone).
+        self.unreduced = False
+        self.unreduced_version = -1  # grad_storage._version then: a zero_grad since drops them
 
     def __repr__(self) -> str:
         return f"Unit({self.name}, {self.layout.total} params, slot={self.slot.name})"
@@ -91,7 +95,7 @@ class Unit:
         entry = self.layout.entries[index]
         dst = self.slot.grads.narrow(0, entry.offset, entry.numel)
         src = grad.reshape(-1)
-        if self.written[index]:
+        if self.written[index] or self.unreduced:
             dst.add_(src)
         else:
             dst.copy_(src)
@@ -101,11 +105,13 @@ class Unit:
         """Zero every grad-slot range of this unit that this pass did not write.
 
         Parameters that got no gradient must not inherit the previous owner's values; alignment
-        gaps and padding are re-zeroed only when the previous writer had another layout.
+        gaps and padding are re-zeroed only when the previous writer had another layout. Under
+        ``no_sync()`` accumulation the ranges keep what earlier backwards wrote.
         """
         grads = self.slot.grads
-        for lo, hi in uncovered_ranges(self.layout, self.written):
-            grads[lo:hi].zero_()
+        if not self.unreduced:  # else those ranges hold earlier micro-batches' gradients
+            for lo, hi in uncovered_ranges(self.layout, self.written):
+                grads[lo:hi].zero_()
         sig = self.layout.signature
         if self.slot.zeroed_signature != sig:
             for lo, hi in self.layout.gaps():

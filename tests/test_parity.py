@@ -177,8 +177,11 @@ def test_per_unit_buffers_with_no_sync_tied_unused_bf16():
              # layer 1's up_proj gets no gradient in any micro-batch: its range is zeroed once and
              # must stay zero while the other micro-batches accumulate around it
              scenario(unused=1, wd=0.0, micro=1, accum=3, no_sync=True, steps=4, grads_every_step=True),
-             scenario(dtype="bf16", micro=1, accum=2, no_sync=True)]
-    cases = [{**s, "shard_kw": PER_UNIT} for s in cases]
+             scenario(dtype="bf16", micro=1, accum=2, no_sync=True),
+             # qwZ: one codes workspace serves every unit's slot
+             scenario(dtype="bf16", micro=1, accum=2, no_sync=True, shard_kw={"quantized_weights": 8,
+                                                                               "quant_block": 64})]
+    cases = [{**s, "shard_kw": {**PER_UNIT, **s["shard_kw"]}} for s in cases]
     results = run_distributed(run_many, 2, cases)[0]
     for s, res in zip(cases[:2], results[:2]):
         check_fp32(res, run_reference({**s, "world": 2}))
@@ -187,3 +190,6 @@ def test_per_unit_buffers_with_no_sync_tied_unused_bf16():
     ref = run_reference({**cases[2], "world": 2})
     assert loss_rel_err(results[2]["losses"], ref["losses"]) < 1e-2
     assert_params_close(results[2]["params"], ref["params"], 2e-2, noise_rtol=None, tensor_rtol=5e-2)
+    qwz = results[3]
+    assert loss_rel_err(qwz["losses"], ref["losses"]) < 2e-2 and qwz["losses"] != results[2]["losses"]
+    assert qwz["plan"] == qwz["allocated"] > results[2]["plan"]

@@ -1,14 +1,19 @@
 """Preallocated buffer slots: the only memory gathered weights and unreduced gradients ever use.
 
 A :class:`Slot` is a weight buffer (``param_dtype``) and a gradient buffer (``reduce_dtype``),
-allocated once at :func:`yashard.shard` time and reused for the whole run (the reduce-scatter output
-is one more buffer, shared by all slots: see rule R6 in :mod:`yashard.events`). Units take turns
-owning a slot:
+allocated once at :func:`yashard.shard` time and reused for the whole run. Two more buffers are
+shared by all slots: the reduce-scatter output (reductions run one after another, rule R6 in
+:mod:`yashard.events`) and, with qwZ, the codes workspace (a quantized gather has finished
+dequantizing before the next one starts). Units take turns owning a slot:
 
 * slots 0 and 1 alternate between even and odd decoder layers (sized by the largest layer);
 * the *outer* slot is shared by the embedding and the lm_head (they never need their weights at the
   same time), so a large vocabulary never inflates the layer slots;
 * the *small* slot holds the group of all 1-D parameters, resident for the whole step.
+
+With ``ShardConfig(reshard_after_forward=False)`` every unit owns a slot of its own instead (named
+after the unit): weights stay gathered until the masters change, and gradients may wait in the
+slot, unreduced, across micro-batches (``ShardedModel.no_sync``).
 
 A slot remembers its current weight owner, the event that releases it, and the reduction that is
 still reading its gradient buffer; :mod:`yashard.runtime` enforces the ordering rules of
@@ -34,7 +39,6 @@ class Slot:
         # refilling a buffer never trips autograd's "modified by an inplace operation" check on the
         # parameter views saved for backward (the refill is ordered by events, not by autograd).
         self.weights_io = self.weights.data
-        self.qwz_workspace: torch.Tensor | None = None  # qwZ: gathered codes + scales (uint8)
         # Ownership state.
         self.owner = None            # unit whose weights are (being) gathered here
         self.release = None          # event: compute finished reading the owner's weights
@@ -43,10 +47,7 @@ class Slot:
         self.zeroed_signature = None  # layout whose non-parameter ranges are known to be zero
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        out = {"weights": self.weights, "grads": self.grads}
-        if self.qwz_workspace is not None:
-            out["qwz_workspace"] = self.qwz_workspace
-        return out
+        return {"weights": self.weights, "grads": self.grads}
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors().values())

@@ -64,10 +64,11 @@ def plan_memory(rt: "Runtime") -> MemoryPlan:
     for slot in rt.slots.values():
         s = slot.numel
         rows.append(MemoryRow(f"slot {slot.name}", s, s * (p + g), f"S={s}: S*({p}+{g}) weights+grads"))
-        if cfg.quantized_weights and slot.name != "small":
-            b = qwz_workspace_nbytes(s // w, w, bits=cfg.quantized_weights, block=cfg.quant_block)
-            rows.append(MemoryRow(f"slot {slot.name} qwZ codes", b, b,
-                                  f"W * (S/W * {cfg.quantized_weights}/8 + 4 per {cfg.quant_block}-block, 16-aligned)"))
+    if cfg.quantized_weights:
+        b = max(qwz_workspace_nbytes(s.numel // w, w, bits=cfg.quantized_weights, block=cfg.quant_block)
+                for s in rt.slots.values() if s.name != "small")
+        rows.append(MemoryRow("qwZ codes", b, b, f"W * (max S/W * {cfg.quantized_weights}/8 + 4 per "
+                                                 f"{cfg.quant_block}-block, 16-aligned), shared by the slots"))
     m = max(slot.numel for slot in rt.slots.values()) // w
     rows.append(MemoryRow("reduce-scatter out", m, m * g, f"max S/W={m} * {g}, shared by the slots"))
     n = sum(u.layout.shard_numel for u in rt.units)

@@ -190,11 +190,14 @@ class Runtime:
         self.reduce_out = torch.empty(max(s.numel for s in self.slots.values()) // w, dtype=gdt, device=self.device)
         if self.comm.reduce_scatter_needs_scratch():  # the default hook's receive buffer (gloo, > 2 ranks)
             self._workspace("reduce_scatter", max(s.numel for s in self.slots.values()), gdt)
-        if cfg.quantized_weights:  # qwZ: codes + scales of every rank's shard, gathered in one collective
-            for slot in self.slots.values():
-                if slot.name != "small":
-                    nbytes = qwz_workspace_nbytes(slot.numel // w, w, bits=cfg.quantized_weights, block=cfg.quant_block)
-                    slot.qwz_workspace = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        # qwZ: codes + scales of every rank's shard, gathered in one collective. One workspace serves
+        # every slot: a quantized gather has dequantized into its slot before the next one quantizes
+        # (on the communication stream, in issue order).
+        self.qwz_workspace = None
+        if cfg.quantized_weights:
+            nbytes = max(qwz_workspace_nbytes(s.numel // w, w, bits=cfg.quantized_weights, block=cfg.quant_block)
+                         for s in self.slots.values() if s.name != "small")
+            self.qwz_workspace = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
         masters = self._materialise(groups, layouts)
         removed: dict[nn.Parameter, str] = {}
@@ -335,7 +338,7 @@ class Runtime:
                 work = comm.all_gather(out, unit.secondary, unit.name, comm.secondary_group)
             else:
                 if unit.kind != "small" and self.config.quantized_weights:
-                    qwz_all_gather(comm, out, unit.gather_src, slot.qwz_workspace, bits=self.config.quantized_weights,
+                    qwz_all_gather(comm, out, unit.gather_src, self.qwz_workspace, bits=self.config.quantized_weights,
                                    block=self.config.quant_block, unit=unit.name)
                     work = Completed()
                 else:
@@ -710,6 +713,8 @@ class Runtime:
             for k, t in slot.tensors().items():
                 out[f"slot.{slot.name}.{k}"] = t
         out["reduce_out"] = self.reduce_out
+        if self.qwz_workspace is not None:
+            out["qwz_workspace"] = self.qwz_workspace
         for u in self.units:
             out[f"{u.name}.master"] = u.master
             out[f"{u.name}.grad"] = u.grad_storage

@@ -501,14 +501,14 @@ class Runtime:
         self._bwd_last_layer = None
         for u in self.units:
             u.reduced_in_pass = False
-        fresh = [u for u in self.units if u.master.grad is None]
-        if fresh:
-            torch._foreach_zero_([u.grad_storage for u in fresh])
-            for u in fresh:
+        # A gradient zero_grad(set_to_none=True) dropped is attached unwritten: the unit's first
+        # reduction writes it (no zero-fill pass), and _end_backward zeroes any that none wrote.
+        for u in self.units:
+            if u.master.grad is None:
                 u.master.grad = u.grad_storage
-        fresh_ids = {id(u) for u in fresh}
+                u.grad_unwritten = True
         for u in self.units:  # zero_grad() since a no_sync() backward drops what it accumulated, as in DDP
-            if u.unreduced and (id(u) in fresh_ids or u.master.grad is not u.grad_storage
+            if u.unreduced and (u.grad_unwritten or u.master.grad is not u.grad_storage
                                 or u.grad_storage._version != u.unreduced_version):
                 u.unreduced = False
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
@@ -569,8 +569,7 @@ class Runtime:
         unit.grad_claimed = False
         unit.reduced_in_pass = True
         if not self._fwd_sync:  # no_sync(): the unit's own grad slot keeps accumulating, unreduced
-            unit.unreduced = True
-            unit.unreduced_version = unit.grad_storage._version
+            unit.unreduced = True  # (its grad_storage version is taken at the end of the backward)
             return
         unit.unreduced = False
         ready = self.streams.record(compute)
@@ -608,7 +607,13 @@ class Runtime:
                     self.comm.all_reduce(value, unit.name, replicas)
                 if check:  # before clipping, which would spread a NaN to every gradient
                     self.grad_nonfinite[unit.order].logical_or_(_nonfinite(value))
-                master.grad.add_(value, alpha=scale)
+                if not unit.grad_unwritten:
+                    master.grad.add_(value, alpha=scale)
+                elif value.dtype == torch.float32:  # = 0 + scale * value, as add_ would give
+                    torch.mul(value, scale, out=master.grad)
+                else:  # widen first: a product in value's dtype would round
+                    master.grad.copy_(value).mul_(scale)
+                unit.grad_unwritten = False
 
         what = _What(f"gradient reduction ({getattr(self.comm_hook, '__name__', 'comm hook')})", unit.name,
                      self._phase_state())
@@ -628,6 +633,14 @@ class Runtime:
             if self.norm_group is not None:
                 self.norm_group.end_backward()
             self._drain()
+            unwritten = [u for u in self.units if u.grad_unwritten]  # no reduction wrote them (no_sync)
+            if unwritten:
+                torch._foreach_zero_([u.grad_storage for u in unwritten])
+                for u in unwritten:
+                    u.grad_unwritten = False
+            for u in self.units:
+                if u.unreduced:  # a zero_grad from now on changes it: see begin_backward
+                    u.unreduced_version = u.grad_storage._version
         finally:
             self.in_backward = False
 
@@ -832,17 +845,15 @@ def _sum_of_squares(ts: list[torch.Tensor]) -> torch.Tensor:
     ``t.pow(2).sum()`` allocates a temporary as large as ``t`` (a whole layer's shard). On CUDA the
     norm kernels reduce as a tree with no temporary, so one ``_foreach_norm`` does it. torch's CPU
     norm kernels (``vector_norm``, ``_foreach_norm``) accumulate long fp32 tensors with a relative
-    error near 1e-4 (measured on 7.8M elements), so on CPU slices of at most
-    ``max(2**20, numel / 64)`` elements are squared and summed (scratch: one slice; error near
-    1e-8) and the slices' sums are added in fp64."""
+    error near 1e-4 (measured on 7.8M elements), so on CPU each slice of 2**16 elements is one
+    ``dot(c, c)`` (BLAS: reads the slice once, allocates nothing; relative error near 2e-8 on a
+    15.7M-element shard, 6x faster than squaring and summing 2**20-element slices) and the slices'
+    sums are added in fp64."""
     if ts[0].device.type != "cpu":  # fp64 where the device has it (not MPS, not every XPU)
         acc = torch.float64 if ts[0].device.type == "cuda" else torch.float32
         return torch.stack(torch._foreach_norm(ts, 2.0)).to(acc).pow(2).sum()
-    parts = []
-    for t in ts:
-        n = max(1 << 20, -(-t.numel() // 64))
-        parts += [c.pow(2).sum() for c in t.split(n)]
-    return torch.stack(parts).sum(dtype=torch.float64)
+    parts = [torch.dot(c, c) for t in ts for c in t.split(1 << 16)]
+    return torch.stack(parts).sum(dtype=torch.float64) if parts else torch.zeros((), dtype=torch.float64)
 
 
 def _nonfinite(t: torch.Tensor) -> torch.Tensor:

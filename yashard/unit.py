@@ -63,6 +63,9 @@ class Unit:
         # (only with reshard_after_forward=False, where the slot is the unit's alone).
         self.unreduced = False
         self.unreduced_version = -1  # grad_storage._version then: a zero_grad since drops them
+        # master.grad was attached after a zero_grad(set_to_none=True) and holds nothing yet: the
+        # first reduction of the backward writes it instead of adding to it.
+        self.grad_unwritten = False
 
     def __repr__(self) -> str:
         return f"Unit({self.name}, {self.layout.total} params, slot={self.slot.name})"

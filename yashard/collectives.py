@@ -90,8 +90,9 @@ def wait_work(work, what: str, timeout: float | None):
 class WorkFuture:
     """A future of the value ``value_fn()`` computes once the c10d ``work`` handle finished.
 
-    gloo's collectives have no ``get_future``, so :meth:`Comm.reduce_scatter` and the built-in comm
-    hooks return this instead of a ``torch.futures.Future``; it has the part of that interface the
+    gloo's point-to-point works and its reduce-scatter have no ``get_future`` ("Work::getFuture not
+    implemented"), so :meth:`Comm.reduce_scatter` and the built-in comm hooks return this instead of
+    a ``torch.futures.Future`` (a hook may return either); it has the part of that interface the
     runtime uses: ``wait()``
     (waits for the work, computes and returns the value, once), ``value()``, ``done()`` and
     ``then(callback)`` (callback receives this future, as torch's does; it runs inside ``wait()``,

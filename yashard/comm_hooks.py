@@ -168,7 +168,9 @@ class QgzState:
     int4 stochastic block 64 -0.46% to +0.25% (mean -0.06%), block 128 +0.12% to +0.64%, block 256
     +0.63% to +1.35%; int8 nearest -0.03% (tests/test_comm.py, docs/benchmarks.md).
     ``fallbacks`` maps each unit that took the exact reduce-scatter (quantizing
-    it would not save bytes: tiny units such as the norm group) to the reason.
+    it would not save bytes: a unit of a few elements per rank, e.g. the norm group of a very small
+    model with 16-bit gradients; with fp32 gradients and the default ``shard_align`` none does) to
+    the reason.
     """
 
     def __init__(self, model, ranks_per_node: int, *, bits: int = 4, block: int | None = None,

@@ -1,0 +1,126 @@
+"""User-written comm hooks driven through the bucket interface (tests/test_comm.py).
+
+The hooks are module-level functions (picklable). :func:`run_hooked` runs the ordinary training
+loop of :func:`workers.run_sharded` with one of them registered: for the duration of the run the
+hook is made visible to the loop's hook lookup as ``yashard.comm_hooks.<name>_hook`` (in the rank
+process only), so a scenario names it like a built-in: ``hook="recording"``, ``hook="torch_future"``,
+or ``hook="qgz"`` with the recording qgZ wrapper in place of :func:`yashard.comm_hooks.qgz_hook`.
+Every bucket a hook sees is appended to :data:`RECORDS` and returned with the run's results.
+
+:func:`simulate_qgz_seeded` is ``quant_checks.simulate_qgz`` with one pair of stochastic-rounding
+seeds per rank (the seeds ``qgz_hook`` derives), so a qgZ bucket can be checked bitwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from yashard import comm_hooks
+from yashard import quant as Q
+
+RECORDS: list[dict] = []
+
+
+def recording_hook(state, bucket):
+    """Delegates to the default hook and records what the bucket interface says."""
+    RECORDS.append(dict(index=bucket.index, name=bucket.name, last=bucket.is_last(), slot=bucket.slot,
+                        numel=bucket.buffer().numel(), shard_numel=bucket.shard_numel,
+                        world=bucket.comm.shard_world))
+    return comm_hooks.reduce_scatter_hook(state, bucket)
+
+
+def torch_future_hook(state, bucket):
+    """A reduce-scatter written with plain torch.distributed and a plain ``torch.futures.Future``:
+    all-to-all of the buffer into a workspace (gloo's reduce_scatter_tensor work has no
+    ``get_future``; its all_to_all_single has), then the sum of the received chunks in rank order,
+    into ``bucket.output()``: the value of the chained future."""
+    buf, out = bucket.buffer(), bucket.output()
+    w, c = bucket.comm.shard_world, bucket.shard_numel
+    recv = bucket.workspace("torch_future.recv", buf.numel(), buf.dtype)
+    fut = dist.all_to_all_single(recv, buf, group=bucket.comm.shard_group, async_op=True).get_future()
+    chained = fut.then(lambda f: torch.sum(recv.view(w, c), dim=0, out=out))
+    RECORDS.append(dict(index=bucket.index, name=bucket.name,
+                        future=isinstance(chained, torch._C.Future) and not isinstance(chained, comm_hooks.WorkFuture)))
+    return chained
+
+
+_qgz_hook = comm_hooks.qgz_hook
+
+
+def recording_qgz_hook(state, bucket):
+    """:func:`yashard.comm_hooks.qgz_hook`, recording the bucket's input, the value of the future
+    it returned, and the fallbacks so far."""
+    rec = dict(index=bucket.index, name=bucket.name, full=bucket.buffer().clone())
+    RECORDS.append(rec)
+
+    def keep(f):
+        value = f.value()
+        rec["out"] = value.clone()
+        rec["fallbacks"] = dict(state.fallbacks)
+        return value
+
+    return _qgz_hook(state, bucket).then(keep)
+
+
+HOOKS = {"recording": recording_hook, "torch_future": torch_future_hook}
+
+
+@contextlib.contextmanager
+def _hooks_visible():
+    saved = {name: getattr(comm_hooks, f"{name}_hook", None) for name in HOOKS}
+    for name, fn in HOOKS.items():
+        setattr(comm_hooks, f"{name}_hook", fn)
+    comm_hooks.qgz_hook = recording_qgz_hook
+    try:
+        yield
+    finally:
+        comm_hooks.qgz_hook = _qgz_hook
+        for name, fn in saved.items():
+            if fn is None:
+                delattr(comm_hooks, f"{name}_hook")
+            else:
+                setattr(comm_hooks, f"{name}_hook", fn)
+
+
+def run_hooked(rank: int, world: int, scenarios: list) -> list:
+    """:func:`workers.run_many` with the hooks above available; each result gets ``buckets``."""
+    from workers import run_sharded
+
+    results = []
+    for s in scenarios:
+        RECORDS.clear()
+        with _hooks_visible():
+            res = run_sharded(rank, world, s)
+        res["buckets"] = list(RECORDS)
+        results.append(res)
+    return results
+
+
+def simulate_qgz_seeded(fulls, nodes, L, bits, block, seeds):
+    """Every rank's qgZ output (fp32), in one process, as tests/quant_checks.py ``simulate_qgz``
+    computes it (the library's quantize/dequantize steps, the two all-to-alls done by slicing), with
+    rank ``g`` rounding step 1 with ``seeds[g][0]`` and step 3 with ``seeds[g][1]`` (None: nearest).
+    Needs ``nodes > 1`` and ``L > 1``."""
+    W = nodes * L
+    c = fulls[0].numel() // W
+    P = Q.packed_nbytes(c, bits, block)
+    kw = dict(bits=bits, block=block, backend="torch")
+    send = [torch.zeros(W * P, dtype=torch.uint8) for _ in range(W)]
+    for g in range(W):
+        Q.quantize_parts(fulls[g], send[g], nparts=W, transpose=(nodes, L), seed=seeds[g][0], **kw)
+    seg = nodes * P
+    # in-node all-to-all: local rank i of node n gets segment i of every member of its node
+    recv = [torch.cat([send[(g // L) * L + l][(g % L) * seg:(g % L + 1) * seg] for l in range(L)]) for g in range(W)]
+    send2 = [torch.zeros(seg, dtype=torch.uint8) for _ in range(W)]
+    for g in range(W):
+        Q.dequantize_parts(recv[g], nparts=nodes, numel=c, requant=send2[g], nreduce=L, reduce_stride=seg,
+                           seed=seeds[g][1], **kw)
+    outs = [torch.empty(c) for _ in range(W)]
+    for g in range(W):  # cross-node all-to-all among equal local ranks: part n goes to node n
+        n, i = divmod(g, L)
+        recv2 = torch.cat([send2[k * L + i][n * P:(n + 1) * P] for k in range(nodes)])
+        Q.dequantize_parts(recv2, nparts=1, numel=c, out=outs[g], nreduce=nodes, reduce_stride=P, **kw)
+    return outs

@@ -69,12 +69,13 @@ def test_parity_world_one_with_real_streams(nccl_group):
     assert max(abs(a - b) / abs(b) for a, b in zip(got, ref)) < 1e-5, (got, ref)
 
 
-def test_buffers_fixed_and_memory_plan_matches_allocation(nccl_group):
+@pytest.mark.parametrize("reshard", [True, False])
+def test_buffers_fixed_and_memory_plan_matches_allocation(nccl_group, reshard):
     dev = torch.device("cuda", 0)
     model = build("llama", hidden_size=256, intermediate_size=512, num_hidden_layers=6)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated(dev)
-    sm = yashard.shard(model)
+    sm = yashard.shard(model, config=yashard.ShardConfig(reshard_after_forward=reshard))
     torch.cuda.synchronize()
     held = torch.cuda.memory_allocated(dev) - before
     n_tensors = len(sm.runtime.allocated_tensors())

@@ -2,7 +2,18 @@
 
 import pytest
 
-from yashard.layout import build_layout, ceil_div, round_up, shard_pieces, uncovered_ranges
+from yashard.layout import build_layout, ceil_div, round_up, shard_pieces, slot_assignment, uncovered_ranges
+
+
+def test_slot_assignment_alternates_layers_or_gives_each_unit_its_own():
+    units = ["embed", "layer_0", "layer_1", "layer_2", "lm_head", "small"]
+    alternate = slot_assignment(units, alternate=True)
+    assert alternate == {"layer_0": "layer_even", "layer_1": "layer_odd", "layer_2": "layer_even",
+                         "embed": "outer", "lm_head": "outer", "small": "small"}
+    assert list(dict.fromkeys(alternate.values())) == ["layer_even", "layer_odd", "outer", "small"]
+    own = slot_assignment(units, alternate=False)
+    assert own == {k: k for k in units} and list(own) == ["layer_0", "layer_1", "layer_2", "embed", "lm_head", "small"]
+    assert slot_assignment(["embed", "lm_head"], alternate=True) == {"embed": "outer", "lm_head": "outer"}
 
 
 def test_ceil_div_and_round_up():

@@ -25,7 +25,7 @@ from .comm_hooks import GradBucket, reduce_scatter_hook
 from .config import ShardConfig
 from .events import Completed, Pending, Streams
 from .gate_grad_flow import BackwardEntry, GateGradFlow
-from .layout import build_layout
+from .layout import build_layout, slot_assignment
 from .memory import MemoryPlan, plan_memory
 from .norm_group import NormGroup, is_small_param
 from .patch.spec import ModelSpec, get_path
@@ -175,10 +175,9 @@ class Runtime:
                               shard_align=cfg.shard_align)
             for key, members in groups.items()
         }
-        slot_of = _slot_names(list(groups), cfg.reshard_after_forward)
+        slot_of = slot_assignment(list(groups), alternate=cfg.reshard_after_forward)
         slot_sizes: dict[str, int] = {}
-        for key in sorted(slot_of, key=lambda k: (not k.startswith("layer_"), k == "small")):  # layers first
-            name = slot_of[key]
+        for key, name in slot_of.items():
             slot_sizes[name] = max(slot_sizes.get(name, 0), layouts[key].padded)
         gdt = cfg.wire_dtype
         self.slots = {
@@ -788,23 +787,6 @@ class Runtime:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-
-
-def _slot_names(keys: list[str], alternate: bool) -> dict[str, str]:
-    """Which slot each unit (by key) owns in turn.
-
-    ``alternate`` (``reshard_after_forward=True``): even and odd decoder layers share
-    ``layer_even`` / ``layer_odd``, the embedding and the lm_head share ``outer``, the norm group
-    has ``small``. Otherwise every unit has a slot of its own, named after it."""
-    if not alternate:
-        return {k: k for k in keys}
-    out = {}
-    for k in keys:
-        if k.startswith("layer_"):
-            out[k] = "layer_even" if int(k.split("_")[1]) % 2 == 0 else "layer_odd"
-        else:
-            out[k] = k if k == "small" else "outer"
-    return out
 
 
 def _checkpointed_forward(inner, *args, **kwargs):

@@ -193,3 +193,15 @@ def test_per_unit_buffers_with_no_sync_tied_unused_bf16():
     qwz = results[3]
     assert loss_rel_err(qwz["losses"], ref["losses"]) < 2e-2 and qwz["losses"] != results[2]["losses"]
     assert qwz["plan"] == qwz["allocated"] > results[2]["plan"]
+
+
+def test_per_unit_buffers_with_no_sync_under_hybrid_sharding():
+    """World 4 as 2 shard groups of 2: the one reduction per step under no_sync() is reduce-scattered
+    inside the shard group and all-reduced across the replicas, as every reduction is."""
+    s = scenario(micro=1, accum=2, no_sync=True, steps=4, log_step=2,
+                 shard_kw={**PER_UNIT, "shard_group_size": 2})
+    res = run_distributed(run_many, 4, [s])[0][0]
+    check_fp32(res, run_reference({**s, "world": 4}))
+    reductions = Counter((r[1], r[2]) for r in res["log"] if r[1] in ("reduce_scatter", "all_reduce"))
+    assert {n for (op, _), n in reductions.items()} == {1}, reductions  # once per unit and step
+    assert {u for op, u in reductions if op == "all_reduce"} == {u for op, u in reductions if op == "reduce_scatter"}

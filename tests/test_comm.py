@@ -381,3 +381,22 @@ def _hook_error(rank, world, case):
         assert re.search(pattern, str(e)), str(e)
         return "ok"
     return "no error"
+
+
+def test_qgz_under_hybrid_sharding_and_qwz_with_fp32_weights():
+    """Combinations: qgZ inside each shard group of a hybrid layout (world 4 = 2 shard groups of 2,
+    with one and with two ranks per node), and qwZ gathering fp32 weights as int8 and int4."""
+    ov = {"hidden_size": 64, "intermediate_size": 128}
+    qgz = [scenario(steps=3, overrides=ov, hook="qgz", hook_kw={"ranks_per_node": rpn, "bits": 8, "block": 64},
+                    shard_kw={"shard_group_size": 2}, log_step=0) for rpn in (1, 2)]
+    qwz = [scenario(steps=3, overrides=ov, shard_kw={"quantized_weights": bits, "quant_block": 64}) for bits in (8, 4)]
+    results = run_distributed(run_many, 4, qgz + qwz)[0]
+    for s, res, group in zip(qgz, results, ("cross_node", "node")):
+        assert loss_rel_err(res["losses"], run_reference({**s, "world": 4})["losses"]) < 1e-3
+        bwd = {(r[1], r[5]) for r in res["log"] if r[0] == "bwd"}
+        # the gradients travel by qgZ's all-to-all inside the shard group, then across the replicas
+        assert bwd == {("all_gather", "shard"), ("all_to_all", group), ("all_reduce", "replica")}, bwd
+    for s, res, bound in zip(qwz, results[2:], (1e-4, 1e-2)):
+        err = loss_rel_err(res["losses"], run_reference({**s, "world": 4})["losses"])
+        assert 1e-6 < err < bound, err  # quantized (not the exact trajectory), within its error
+        assert res["plan"] == res["allocated"]

@@ -359,8 +359,11 @@ def run_zeropp(args, device) -> dict:
             log.clear()
             model.clip_grad_norm_(be.CLIP)
             records += [("opt", *r) for r in log.records]
-            log.enabled = False
+            log.clear()
+            log.enabled = step == 0  # step 0's optimizer step gathers the first units of step 1's forward
             opt.step()
+            records += [("fwd", *r) for r in log.records]
+            log.enabled = False
             opt.zero_grad()
         terms = br.volume_terms(records)
         layer_bytes = sum(b for t in terms.values() for b in t.values())

@@ -39,6 +39,9 @@ def test_exact_modes_match_the_reference_at_world_4():
         "hook": dict(hook="reduce_scatter"),
         "hybrid": dict(shard_kw={"shard_group_size": 2}),
         "hpz": dict(shard_kw={"secondary_group_size": 2}),
+        # the step's post-hook gathers layers 0 and 1 for the next forward; under no_grad too, they
+        # keep their secondary slices, so their backward re-gathers stay inside the node
+        "hpz+no_grad_step": dict(shard_kw={"secondary_group_size": 2}, no_grad_step=True),
         "hybrid+hpz": dict(shard_kw={"shard_group_size": 2, "secondary_group_size": 1}),
         # same global batch in two micro-batches: the secondary shards stay valid across them
         "hpz+accum": dict(shard_kw={"secondary_group_size": 2}, micro=1, accum=2),
@@ -58,7 +61,7 @@ def test_exact_modes_match_the_reference_at_world_4():
         # same bits), and the reductions are those of the run without it: losses, clipped norms,
         # first-step gradients and final parameters are bitwise the same.
         for mode, same_as in (("hook", "default"), ("hpz", "default"), ("hpz+accum", "accum"),
-                              ("hybrid+hpz", "hybrid")):
+                              ("hybrid+hpz", "hybrid"), ("hpz+no_grad_step", "hpz")):
             diff = _bitwise_diff(run[mode], run[same_as])
             assert diff == [], (mode, same_as, diff)
         # Hybrid is NOT bitwise the default (nor is replication), so nothing bitwise is asserted:
@@ -77,6 +80,9 @@ def test_exact_modes_match_the_reference_at_world_4():
         assert _bytes(hook, op="all_reduce") == 0
         # hpZ: forward gathers over the whole group, every backward re-gather inside the node
         assert _bytes(hpz, "fwd", "all_gather", "world") > 0 and _bytes(hpz, "bwd", "all_gather", "world") == 0
+        no_grad_step = run["hpz+no_grad_step"]["log"]
+        assert _bytes(no_grad_step, "bwd", "all_gather", "world") == 0
+        assert _bytes(no_grad_step, "bwd", "all_gather", "secondary") == _bytes(hpz, "bwd", "all_gather", "secondary")
         assert _bytes(hpz, "bwd", "all_gather", "secondary") > 0
         assert _bytes(hpz, "bwd", "all_gather", "secondary") == _bytes(hook, "bwd", "all_gather", "world")
         # with accumulation too, including the layers the second forward found still in their slots

@@ -63,13 +63,13 @@ def _record_run(rank, world, ckpt, keyword=False):
                         out.register_hook(lambda g, i=i: events.append(("bwd", f"layer_{i}")))
                 mod.register_forward_hook(fwd_hook)
     ids = batches(1, 2 * world, 16, 96)[0].chunk(world)[rank]
-    for _ in range(2):
-        events.clear()
-        out = sm(input_ids=ids, labels=ids)
-        events.append(("backward", ""))
-        out.loss.backward()
-        opt.step()  # one micro-batch per step: the next forward gathers every layer again
-        opt.zero_grad()
+    sm(input_ids=ids, labels=ids).loss.backward()
+    events.clear()
+    opt.step()  # its post-hook gathers the next forward's first units: recorded as part of that forward
+    opt.zero_grad()
+    out = sm(input_ids=ids, labels=ids)  # one micro-batch per step: every layer is gathered again
+    events.append(("backward", ""))
+    out.loss.backward()
     return events
 
 

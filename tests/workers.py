@@ -21,6 +21,7 @@ DEFAULTS = dict(
     shard_kw={}, hook=None, hook_kw={}, log_step=None, reduce_dtype="fp32", data_cycle=None, text=False,
     mesh=None,  # rows of ranks: a 2-D (replicate, shard) DeviceMesh; one row: a 1-D mesh
     no_sync=False,  # every micro-batch but the last runs forward and backward inside sm.no_sync()
+    no_grad_step=False,  # the optimizer steps under torch.no_grad() (its post-hook gathers there)
 )
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -124,7 +125,12 @@ def run_sharded(rank: int, world: int, s: dict) -> dict:
         if s["grads_every_step"] or step == 0:
             grads.append({k: v.clone() for k, v in sm.full_grads().items()})
         norms.append(sm.clip_grad_norm_(s["clip"]).item())
-        opt.step()
+        log.enabled = step + 1 == s["log_step"]  # the step's post-hook gathers for the logged step
+        with torch.no_grad() if s["no_grad_step"] else contextlib.nullcontext():
+            opt.step()
+        logged.extend(("pre", *r) for r in log.records)
+        log.clear()
+        log.enabled = False
         opt.zero_grad(set_to_none=s["zero_grad_none"])
         ptrs.append({k: t.data_ptr() for k, t in sm.runtime.allocated_tensors().items()})
     params = sm.full_state_dict()

@@ -408,8 +408,10 @@ class Runtime:
 
     def after_optimizer_step(self) -> None:
         """Run by the optimizer step post-hook (:mod:`yashard.guards`): start gathering the norm
-        group and the first unit of the next forward now, so they travel while the host does
-        whatever comes between steps (logging, data, ``zero_grad``). The next forward uses them
+        group and, in forward order, the first unit of every slot (the embedding and the first two
+        layers; with ``reshard_after_forward=False`` every unit) now, so they travel while the host
+        does whatever comes between steps (logging, data, ``zero_grad``) and the first layer's
+        gather is not left waiting behind the embedding's short forward. The next forward uses them
         only if the masters have not changed since (``gathered_version``).
 
         Fused torch optimizers (``fused=True``) update the masters without bumping their version
@@ -426,7 +428,12 @@ class Runtime:
             u.gathered = None
         if self.small is not None:
             self.gather(self.small)
-        self.gather(self.forward_order[0])
+        free = set()  # every slot is free now: gather the first unit of each, in forward order
+        with torch.enable_grad():  # gathers for a training forward: hpZ keeps its secondary slices
+            for u in self.forward_order:
+                if u.slot.name not in free:
+                    free.add(u.slot.name)
+                    self.gather(u)
 
     def _pre_forward(self, unit: Unit, module, args, kwargs):
         if unit.kind == "layer":

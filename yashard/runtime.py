@@ -507,13 +507,12 @@ class Runtime:
         self._bwd_last_layer = None
         for u in self.units:
             u.reduced_in_pass = False
-        # A gradient zero_grad(set_to_none=True) dropped is attached unwritten: the unit's first
-        # reduction writes it (no zero-fill pass), and _end_backward zeroes any that none wrote.
-        for u in self.units:
+            # A gradient zero_grad(set_to_none=True) dropped is attached unwritten: the unit's first
+            # reduction writes it (no zero-fill pass), and _end_backward zeroes any that none wrote.
             if u.master.grad is None:
                 u.master.grad = u.grad_storage
                 u.grad_unwritten = True
-        for u in self.units:  # zero_grad() since a no_sync() backward drops what it accumulated, as in DDP
+            # a zero_grad() since a no_sync() backward drops what it accumulated, as in DDP
             if u.unreduced and (u.grad_unwritten or u.master.grad is not u.grad_storage
                                 or u.grad_storage._version != u.unreduced_version):
                 u.unreduced = False
@@ -842,7 +841,7 @@ def _sum_of_squares(ts: list[torch.Tensor]) -> torch.Tensor:
         acc = torch.float64 if ts[0].device.type == "cuda" else torch.float32
         return torch.stack(torch._foreach_norm(ts, 2.0)).to(acc).pow(2).sum()
     parts = [torch.dot(c, c) for t in ts for c in t.split(1 << 16)]
-    return torch.stack(parts).sum(dtype=torch.float64) if parts else torch.zeros((), dtype=torch.float64)
+    return torch.stack(parts).sum(dtype=torch.float64)
 
 
 def _nonfinite(t: torch.Tensor) -> torch.Tensor:

@@ -191,8 +191,8 @@ def prime(shape: dict, args, device, vocab: int) -> None:
     t = torch.ones(world * 1024, device=device)
     out = torch.empty(1024, device=device)
     dist.all_reduce(t)
-    dist.all_gather_into_tensor(t, out)
-    dist.reduce_scatter_tensor(out, t)
+    dist.all_gather_single(t, out)
+    dist.reduce_scatter_single(out, t)
     dist.broadcast(t, 0)
     if world > 1:
         ops = [dist.P2POp(dist.isend, out, (rank + 1) % world), dist.P2POp(dist.irecv, out.clone(), (rank - 1) % world)]

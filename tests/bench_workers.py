@@ -24,8 +24,8 @@ def count_known_collectives(rank: int, world: int) -> list[tuple]:
     ddp = DDP(torch.nn.Linear(10, 10), broadcast_buffers=False)
     with bench_comm.CollectiveCounter() as c:
         dist.all_reduce(torch.ones(100))                                          # 400 B
-        dist.all_gather_into_tensor(torch.empty(60 * world), torch.ones(60))      # out: 240 * world B
-        dist.reduce_scatter_tensor(torch.empty(25), torch.ones(25 * world))       # in: 100 * world B
+        dist.all_gather_single(torch.empty(60 * world), torch.ones(60))           # out: 240 * world B
+        dist.reduce_scatter_single(torch.empty(25), torch.ones(25 * world))       # in: 100 * world B
         dist.all_to_all_single(torch.empty(8 * world), torch.ones(8 * world))     # in: 32 * world B
         dist.broadcast(torch.ones(7, dtype=torch.bfloat16), 0, group=sub)         # 14 B, group of 2
         ddp(torch.ones(3, 10)).sum().backward()                                   # 110 fp32 = 440 B

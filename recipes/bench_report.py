@@ -18,6 +18,14 @@ MiB = 2**20
 
 
 # ---------------------------------------------------------------------------------------- numbers
+def _malloc_note(meta: dict) -> str:
+    """The header's word on the CPU allocator setting (``--malloc``), empty for the default."""
+    if meta.get("malloc") != "glibc":
+        return ""
+    return (" glibc's default malloc (--malloc glibc): freed blocks stay in the heap, so the RSS columns are NOT "
+            "comparable between engines; times carry no page faults of fresh mmaps.")
+
+
 def median_time(times: Sequence[Sequence[float]]) -> float:
     """Median over every timed step of every repeat (seconds)."""
     return statistics.median(t for block in times for t in block)
@@ -129,7 +137,7 @@ def render_run(run: dict) -> str:
         f"{meta['warmup']} warm-up, {meta['steps']} timed steps x {meta['repeats']} round-robin repeats; "
         f"torch {meta['torch']}, threads/rank {meta['threads']}. Reference: fp32 unsharded, loss "
         f"{meta['ref_loss']:.6f}, grad norm {meta['ref_norm']:.6f}. Memory: each engine's increment of process "
-        f"{kind} (max over ranks).",
+        f"{kind} (max over ranks)." + _malloc_note(meta),
         "",
         f"| engine | precision | step ms (median) | repeat spread | vs DDP | tokens/s | {kind} build peak MiB "
         f"| {kind} after build MiB | {kind} training peak MiB | end-of-step drift MiB | step-1 loss - ref "

@@ -106,6 +106,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--optimizer", choices=be.OPTIMIZERS, default="adamw",
                    help="AdamW implementation of every engine: torch's default (single-tensor on CPU), foreach or fused")
     p.add_argument("--seed", type=int, default=0, help="seed of the initial weights (same for every engine)")
+    p.add_argument("--malloc", choices=("returning", "glibc"), default="returning",
+                   help="CPU only. returning (default): glibc serves blocks over 64 KiB with fresh mmaps and returns "
+                        "them on free, so RSS follows live memory (the memory columns need it), and every large "
+                        "temporary pays its page faults; glibc: glibc's defaults (freed blocks stay in the heap): "
+                        "times without those page faults, memory columns not comparable")
     p.add_argument("--out", default=None, help="also write the markdown to this path (rank 0)")
     p.add_argument("--json", default=None, help="also write the raw results as JSON to this path (rank 0)")
     p.add_argument("--zeropp", action="store_true", help="worker: the ZeRO++ volume table (world 4 = 2 nodes x 2)")
@@ -319,7 +324,8 @@ def run_compare(args, device) -> dict:
                 device=device.type, n_params=n_params, seq=shape["seq"], global_batch=gb, tokens=gb * shape["seq"],
                 lr=be.LR, optimizer=args.optimizer, wd=be.WEIGHT_DECAY, clip=be.CLIP, warmup=args.warmup, steps=args.steps,
                 repeats=args.repeats, torch=torch.__version__, threads=torch.get_num_threads(),
-                ref_loss=ref[0], ref_norm=ref[1], mem_kind="alloc" if device.type == "cuda" else "RSS")
+                ref_loss=ref[0], ref_norm=ref[1], mem_kind="alloc" if device.type == "cuda" else "RSS",
+                malloc=args.malloc if device.type == "cpu" else None)
     return dict(meta=meta, engines=out_engines, skipped=skipped, footer=footer)
 
 
@@ -403,7 +409,7 @@ def launch(nproc: int, worker_args: list[str], json_path: str, threads: int) -> 
 
 def _common(args) -> list[str]:
     return ["--steps", str(args.steps), "--warmup", str(args.warmup), "--repeats", str(args.repeats),
-            "--seed", str(args.seed), "--optimizer", args.optimizer]
+            "--seed", str(args.seed), "--optimizer", args.optimizer, "--malloc", args.malloc]
 
 
 def sweep_matrix(args) -> str:
@@ -475,7 +481,7 @@ def main() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)  # DeepSpeed's deprecated collective names
     warnings.filterwarnings("ignore", category=UserWarning, module="torch.distributed")
     device = init_distributed()
-    if device.type == "cpu":
+    if device.type == "cpu" and args.malloc == "returning":
         be.use_returning_malloc()
     if args.zeropp:
         res = run_zeropp(args, device)

@@ -167,6 +167,16 @@ def test_render_run_table_headroom_and_skipped_engines():
     assert "| yashard | 1000.0 | 750.0 | 25% |" in text and "| ddp | 500.0" not in text  # no ddp-noop ran
     assert "| ddp | 3 | 1.00 | 0.50 | all_reduce 3 x 1.00 |" in text
     assert "* a note" in text
+    assert "NOT comparable" not in text  # the default allocator setting needs no warning
+
+
+def test_glibc_malloc_run_says_its_memory_columns_do_not_compare():
+    assert benchmark.parse_args([]).malloc == "returning"
+    args = benchmark.parse_args(["--malloc", "glibc"])
+    assert args.malloc == "glibc" and benchmark._common(args)[-2:] == ["--malloc", "glibc"]  # sweeps pass it on
+    run = _run([_engine("yashard", 1.0)])
+    run["meta"]["malloc"] = "glibc"
+    assert "the RSS columns are NOT comparable between engines" in br.render_run(run)
 
 
 def test_render_matrix_and_chart(tmp_path):

@@ -578,3 +578,32 @@ def test_no_sync_keeps_gradients_of_parameters_the_last_micro_batch_skips(pg):
     assert torch.count_nonzero(want["model.layers.1.mlp.up_proj.weight"]) > 0
     for k, v in got.items():
         torch.testing.assert_close(v, want[k], rtol=1e-6, atol=1e-9)
+
+
+# ---------------------------------------------------------------------------------------------
+# Lifetime.
+
+
+@pytest.mark.parametrize("last_forward", ["train", "no_grad"])
+def test_a_dropped_model_frees_its_buffers(pg, last_forward):
+    """Deleting the model and its optimizer frees the runtime and every buffer it allocated,
+    whether the last forward built a graph (the parameter views then carry autograd nodes) or not."""
+    import gc
+    import weakref
+
+    sm = yashard.shard(build())
+    opt = torch.optim.AdamW(sm.parameters(), lr=1e-3)
+    _loss(sm).backward()
+    opt.step()
+    opt.zero_grad()
+    if last_forward == "train":
+        _loss(sm).backward()
+    else:
+        with torch.no_grad():
+            _loss(sm)
+    runtime = weakref.ref(sm.runtime)
+    slot = weakref.ref(next(iter(sm.runtime.slots.values())).weights)
+    del sm, opt
+    gc.collect()
+    assert runtime() is None and slot() is None
+

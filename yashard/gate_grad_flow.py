@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 
@@ -16,17 +18,20 @@ class GateGradFlow(torch.autograd.Function):
       * before any gradient reaches the ops that produced the unit's inputs (the previous layer).
     That is the moment the unit's gradients are complete, independent of the engine's scheduling
     order. Gradients pass through unchanged. Outputs are views of the inputs, so the unit must not
-    modify its inputs in place (PyTorch raises if it does).
+    modify its inputs in place (PyTorch raises if it does). The node holds the unit weakly (as
+    :class:`yashard.narrow.Narrow` does); once the model is gone it only passes gradients through.
     """
 
     @staticmethod
     def forward(ctx, unit, token, *inputs):  # noqa: D102
-        ctx.unit = unit
+        ctx.unit = weakref.ref(unit)
         return (token, *inputs)
 
     @staticmethod
     def backward(ctx, *grads):  # noqa: D102
-        ctx.unit.on_grads_complete()
+        unit = ctx.unit()
+        if unit is not None:
+            unit.on_grads_complete()
         return (None, *grads)
 
 
@@ -37,15 +42,18 @@ class BackwardEntry(torch.autograd.Function):
     once, when the gradients of all those outputs are ready and before any backward op of the unit,
     so the runtime can re-gather the unit's weights (and prefetch the next unit) in time. ``fwd_id``
     is the id of the forward that built this node, so a backward through an older forward is caught.
+    The unit is held weakly, as in :class:`GateGradFlow`.
     """
 
     @staticmethod
     def forward(ctx, unit, fwd_id, *outputs):  # noqa: D102
-        ctx.unit = unit
+        ctx.unit = weakref.ref(unit)
         ctx.fwd_id = fwd_id
         return outputs
 
     @staticmethod
     def backward(ctx, *grads):  # noqa: D102
-        ctx.unit.on_backward_start(ctx.fwd_id)
+        unit = ctx.unit()
+        if unit is not None:
+            unit.on_backward_start(ctx.fwd_id)
         return (None, None, *grads)

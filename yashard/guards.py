@@ -44,7 +44,7 @@ class _ByIdentity:
 
 
 _removed = _ByIdentity()   # parameters yashard.shard took out of a model -> their name
-_owners = _ByIdentity()    # master shards -> their Runtime
+_owners = _ByIdentity()    # master shards -> a weak reference to their Runtime (which owns them)
 
 
 class NonFiniteError(FloatingPointError):
@@ -60,7 +60,7 @@ def track(runtime, removed: dict[torch.nn.Parameter, str]) -> None:
     for p, name in removed.items():
         _removed[p] = name
     for u in runtime.units:
-        _owners[u.master] = runtime
+        _owners[u.master] = weakref.ref(runtime)
     if not _handles:
         _handles.append(register_optimizer_step_pre_hook(_before_step))
         _handles.append(register_optimizer_step_post_hook(_after_step))
@@ -79,7 +79,8 @@ def _runtimes(optimizer, check: bool) -> list:
                     "(the optimizer was built before yashard.shard): stepping it trains nothing. Build the "
                     "optimizer after yashard.shard, from model.param_groups(weight_decay) or model.parameters()"
                 )
-            rt = _owners.get(p)
+            ref = _owners.get(p)
+            rt = ref() if ref is not None else None
             if rt is not None and rt not in runtimes:
                 runtimes.append(rt)
     return runtimes

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 
@@ -18,17 +20,21 @@ class Narrow(torch.autograd.Function):
       * backward hands the incoming gradient to ``unit.write_grad(index, grad)``, which copies it
         into the unit's gradient slot (upcasting to ``reduce_dtype``); autograd never allocates a
         ``.grad`` for the parameter. It returns no gradient for any input.
+      * the node holds the unit weakly: parameter views left on the module keep no runtime alive
+        (Python's cycle collector cannot see references held by autograd nodes). A backward that
+        outlives its model writes nothing.
     """
 
     @staticmethod
     def forward(ctx, token, weights, unit, index):  # noqa: D102
-        ctx.unit = unit
+        ctx.unit = weakref.ref(unit)
         ctx.index = index
         entry = unit.layout.entries[index]
         return weights.narrow(0, entry.offset, entry.numel).view(entry.shape)
 
     @staticmethod
     def backward(ctx, grad):  # noqa: D102
-        if grad is not None:
-            ctx.unit.write_grad(ctx.index, grad)
+        unit = ctx.unit()
+        if grad is not None and unit is not None:
+            unit.write_grad(ctx.index, grad)
         return None, None, None, None

@@ -26,7 +26,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn, rank, world, port, args, queue):
+def _entry(fn, rank, world, port, args, queue, backend="gloo"):
     import torch
     import torch.distributed as dist
 
@@ -35,7 +35,11 @@ def _entry(fn, rank, world, port, args, queue):
     torch.set_num_threads(1)
     ok = True
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        if backend == "nccl":  # one GPU per rank
+            torch.cuda.set_device(rank)
+            dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+        else:
+            dist.init_process_group(backend, rank=rank, world_size=world)
         result = fn(rank, world, *args)
         buf = io.BytesIO()
         torch.save(result, buf)  # plain bytes: tensors would otherwise travel as shared-memory handles
@@ -67,20 +71,22 @@ def _context():
     return ctx
 
 
-def start_ranks(fn, world: int, args: tuple):
+def start_ranks(fn, world: int, args: tuple, backend: str = "gloo"):
     """Start ``world`` rank processes running ``fn``; returns ``(processes, result queue)``."""
     ctx = _context()
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, queue), daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, queue, backend),
+                         daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     return procs, queue
 
 
-def run_distributed(fn, world: int, *args, timeout: float = 240.0) -> list:
-    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return the results ordered by rank."""
-    procs, queue = start_ranks(fn, world, args)
+def run_distributed(fn, world: int, *args, timeout: float = 240.0, backend: str = "gloo") -> list:
+    """Run ``fn(rank, world, *args)`` on ``world`` ranks (gloo; ``backend="nccl"``: rank r on GPU r);
+    return the results ordered by rank."""
+    procs, queue = start_ranks(fn, world, args, backend)
     results: dict[int, object] = {}
     errors: list[str] = []
     try:

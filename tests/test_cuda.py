@@ -1,6 +1,7 @@
 """CUDA-only checks (skipped without a GPU): real streams and events, overlap, allocator-free steps.
 
-Run on a CUDA machine with ``pytest tests/test_cuda.py``; they use a 1-rank NCCL group in-process.
+Run on a CUDA machine with ``pytest tests/test_cuda.py``; they use a 1-rank NCCL group in-process,
+except the overlap test, which needs 2 GPUs (2 ranks through tests/harness.py).
 """
 
 import os
@@ -74,14 +75,19 @@ def test_buffers_fixed_and_memory_plan_matches_allocation(nccl_group, reshard):
     dev = torch.device("cuda", 0)
     model = build("llama", hidden_size=256, intermediate_size=512, num_hidden_layers=6)
     torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated(dev)
+
+    def requested():  # bytes asked of the caching allocator and still held (no block rounding)
+        return torch.cuda.memory_stats(dev)["requested_bytes.all.current"]
+
+    before = requested()
     sm = yashard.shard(model, config=yashard.ShardConfig(reshard_after_forward=reshard))
     torch.cuda.synchronize()
-    held = torch.cuda.memory_allocated(dev) - before
-    n_tensors = len(sm.runtime.allocated_tensors())
+    held = requested() - before
     plan = sm.memory_plan().total_bytes
-    # the caching allocator rounds every block up to 512 bytes; model buffers (rotary) also moved
-    assert plan <= held <= plan + 512 * (n_tensors + 8), (plan, held)
+    moved = sum(b.numel() * b.element_size() for b in sm.module.buffers())  # model buffers (rotary)
+    # beyond the plan: the moved buffers and a few tiny tensors (per-unit flags, gate tokens); a
+    # 64 KiB bound still catches any buffer of real size (one layer's slot here is ~2.3 MiB)
+    assert plan + moved <= held <= plan + moved + 64 * 1024, (plan, moved, held)
     ids = batches(1, 4, 64, 96)[0].to(dev)
     ptrs, alloc = [], []
 
@@ -96,21 +102,15 @@ def test_buffers_fixed_and_memory_plan_matches_allocation(nccl_group, reshard):
     assert len(set(alloc[1:])) == 1, alloc
 
 
-def test_collectives_overlap_compute(nccl_group):
-    from torch.profiler import ProfilerActivity, profile
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (one NCCL rank skips its collectives)")
+def test_collectives_overlap_compute():
+    """World 2 on 2 GPUs: all-gathers and reduce-scatters run while compute kernels run (a 1-rank NCCL
+    group would launch no collective kernel at all, and the default hook skips reducing at one rank)."""
+    from harness import run_distributed
 
-    dev = torch.device("cuda", 0)
-    model = build("llama", hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-                  num_attention_heads=16, num_key_value_heads=4, vocab_size=4096)
-    sm = yashard.shard(model, config=yashard.ShardConfig(param_dtype=torch.bfloat16))
-    ids = torch.randint(0, 4096, (4, 512), device=dev)
-    _train(sm, 2, ids)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        _train(sm, 2, ids)
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    comm = [(e.time_range.start, e.time_range.end) for e in kernels if "nccl" in e.name.lower()]
-    compute = [(e.time_range.start, e.time_range.end) for e in kernels if "nccl" not in e.name.lower()]
-    assert comm, "no NCCL kernels were recorded"
-    overlapping = sum(1 for a0, a1 in comm if any(b0 < a1 and a0 < b1 for b0, b1 in compute))
-    assert overlapping > 0, "no collective ran concurrently with a compute kernel"
+    from cuda_workers import collective_overlap
+
+    for rank, res in enumerate(run_distributed(collective_overlap, 2, backend="nccl")):
+        for kind, r in res.items():
+            assert r["count"] > 0, f"rank {rank}: no NCCL {kind} kernel was recorded: {res}"
+            assert r["overlapped"] > 0, f"rank {rank}: no {kind} ran while a compute kernel ran: {res}"

@@ -1,0 +1,56 @@
+"""Rank functions of the multi-GPU CUDA tests (tests/test_cuda.py), run by tests/harness.py on NCCL."""
+
+from __future__ import annotations
+
+import torch
+
+import yashard
+from models import build
+
+
+def _overlapped(intervals, others) -> float:
+    """Total time of ``intervals`` during which at least one of ``others`` runs (both lists of (start, end))."""
+    total = 0.0
+    for a0, a1 in intervals:
+        cuts = sorted((max(a0, b0), min(a1, b1)) for b0, b1 in others if b0 < a1 and a0 < b1)
+        end = a0
+        for c0, c1 in cuts:
+            if c1 > end:
+                total += c1 - max(c0, end)
+                end = c1
+    return total
+
+
+def collective_overlap(rank: int, world: int) -> dict:
+    """Train a bf16 8-layer Llama for 2 steps under the profiler; per kind of NCCL kernel (all-gather,
+    reduce-scatter), its total time and the part of it during which a compute kernel ran."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dev = torch.device("cuda", rank)
+    model = build("llama", hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                  num_attention_heads=16, num_key_value_heads=4, vocab_size=4096)
+    sm = yashard.shard(model, config=yashard.ShardConfig(param_dtype=torch.bfloat16))
+    opt = torch.optim.AdamW(sm.param_groups(0.1), lr=1e-3, fused=True)
+    ids = torch.randint(0, 4096, (4, 512), device=dev, generator=torch.Generator(dev).manual_seed(rank))
+
+    def step():
+        sm(input_ids=ids, labels=ids).loss.backward()
+        sm.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    compute = [(e.time_range.start, e.time_range.end) for e in kernels if "nccl" not in e.name.lower()]
+    out = {}
+    for kind in ("allgather", "reducescatter"):
+        comm = [(e.time_range.start, e.time_range.end) for e in kernels
+                if "nccl" in e.name.lower() and kind in e.name.lower().replace("_", "")]
+        out[kind] = dict(count=len(comm), total=sum(b - a for a, b in comm), overlapped=_overlapped(comm, compute))
+    return out

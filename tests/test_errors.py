@@ -607,3 +607,13 @@ def test_a_dropped_model_frees_its_buffers(pg, last_forward):
     gc.collect()
     assert runtime() is None and slot() is None
 
+
+def test_cuda_device_must_be_the_current_one():
+    from yashard.api import cuda_device
+
+    assert cuda_device(torch.device("cuda"), 2) == torch.device("cuda", 2)  # no index: the current device
+    assert cuda_device(torch.device("cuda", 1), 1) == torch.device("cuda", 1)
+    with pytest.raises(ValueError, match=re.escape(
+            "ShardConfig(device='cuda:1') but the current CUDA device is cuda:0; NCCL and yashard's streams work on "
+            "the current device. Call torch.cuda.set_device(1) before yashard.shard")):
+        cuda_device(torch.device("cuda", 1), 0)

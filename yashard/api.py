@@ -27,6 +27,22 @@ def _pick_device(config: ShardConfig, comm: Comm) -> torch.device:
     return torch.device("cpu")
 
 
+def cuda_device(device: torch.device, current: int) -> torch.device:
+    """``device`` with its index, which must be the current CUDA device ``current``: NCCL and
+    the compute stream the runtime orders its collectives against belong to the current device,
+    so a model on another GPU would be ordered against the wrong stream."""
+    if device.index is None:
+        return torch.device("cuda", current)
+    if device.index != current:
+        raise ValueError(
+            f"ShardConfig(device={str(device)!r}) but the current CUDA device is cuda:{current}; NCCL and yashard's "
+            f"streams work on the current device. Call torch.cuda.set_device({device.index}) before yashard.shard "
+            "(under torchrun: torch.cuda.set_device(int(os.environ['LOCAL_RANK']))), or pass "
+            f"ShardConfig(device='cuda:{current}')"
+        )
+    return device
+
+
 class ShardedModel(nn.Module):
     """A HuggingFace causal LM whose parameters are sharded across the process group.
 
@@ -169,6 +185,8 @@ def shard(model: nn.Module, *, config: ShardConfig | None = None, process_group=
             f"device {device} needs an NCCL process group, but the group's backend is {comm.backend}: "
             "init the group with backend='nccl', or pass ShardConfig(device='cpu')"
         )
+    if device.type == "cuda":
+        device = cuda_device(device, torch.cuda.current_device())
     if device.type == "cpu" and "gloo" not in comm.backend:
         raise ValueError(
             f"the CPU device needs a gloo process group, but the group's backend is {comm.backend}: "

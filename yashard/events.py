@@ -63,11 +63,11 @@ class Streams:
             self.comm = torch.cuda.Stream(device=device, priority=-1)
         else:
             self.comm = self.mod.Stream()
-        self.compute = self.mod.current_stream()
+        self.compute = self.mod.current_stream(self.device)
 
     def capture_compute(self) -> None:
         """Take the current stream as the compute stream (called at every forward start)."""
-        self.compute = self.mod.current_stream()
+        self.compute = self.mod.current_stream(self.device)
 
     def record(self, stream) -> object:
         """Record an event on ``stream`` and return it."""

@@ -69,18 +69,20 @@ def _wait(work, timeout: float | None):
     return work.wait()
 
 
-def wait_work(work, what: str, timeout: float | None):
+def wait_work(work, what, timeout: float | None, where: tuple[int, int] | None = None):
     """Wait for ``work`` (a c10d work handle or a future), at most ``timeout`` seconds where the
     handle supports it; any failure becomes a :class:`CollectiveError` naming ``what`` (op, unit,
-    phase, rank). Returns what ``wait()`` returned."""
+    phase; any object, formatted only then) and ``where`` (rank, world size). Returns what
+    ``wait()`` returned."""
     try:
         return _wait(work, timeout)
     except CollectiveError:
         raise
     except Exception as e:  # gloo/NCCL report timeouts and dead peers as RuntimeError
         cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        at = f" on rank {where[0]} of {where[1]}" if where is not None else ""
         raise CollectiveError(
-            f"yashard: {what} failed: {cause}. A peer rank died, stalled, or issued a different sequence of "
+            f"yashard: {what}{at} failed: {cause}. A peer rank died, stalled, or issued a different sequence of "
             "collectives (a rank that ran more or fewer forward passes or layers). Look for the first error "
             "on the other ranks; ShardConfig(debug_collectives=True) finds the first divergence, "
             "ShardConfig(collective_timeout=...) bounds the wait"
@@ -419,8 +421,7 @@ class Comm:
         bounds only waits the host makes anyway (``host=True``: checks, checkpoints, exports);
         the others rely on the process group's own timeout (NCCL's watchdog). On CPU (gloo) every
         wait blocks the host and every wait is bounded."""
-        return wait_work(work, f"{what} on rank {self.rank} of {self.world}",
-                         wait_timeout(self.device_type, self.timeout, host))
+        return wait_work(work, what, wait_timeout(self.device_type, self.timeout, host), (self.rank, self.world))
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, unit: str, group: dist.ProcessGroup | None = None):
         """Async ``all_to_all_single`` over ``group`` (default: the shard group): ``inp`` is cut into

@@ -18,6 +18,13 @@ compression hooks' low-precision copies) ask ``bucket.workspace(name, numel, dty
 runtime keeps across steps, grown to the largest request, so memory is still fixed after the first
 backward (these buffers are listed by ``memory_plan`` once allocated).
 
+Streams (CUDA): the hook runs with the communication stream current, and the runtime consumes the
+value on that stream. A :class:`WorkFuture`'s ``then`` callbacks run there too. A
+``torch.futures.Future`` from NCCL (``work.get_future()``) runs its ``then`` callbacks on a side
+stream and orders later users only through the tensors the callback *returns*: a callback that
+writes ``bucket.output()`` must return it (``lambda f: out.copy_(f.value()[0])`` does, since
+``copy_`` returns ``out``), or the runtime may read the output before the callback wrote it.
+
 Built-ins: :func:`reduce_scatter_hook` (the default, exact), :func:`bf16_compress_hook` and
 :func:`fp16_compress_hook` (the wire carries 16-bit values: each element of the result is the sum of
 the W rounded inputs, rounded again: relative error <= (W + 1) * 2**-8 of the sum of magnitudes for

@@ -62,7 +62,9 @@ class ShardConfig:
             (:class:`yashard.NonFiniteError` naming the layer whose forward output, else whose
             gradients, first went non-finite, and the ranks), ``"skip"`` (a warning, and the
             optimizer skips the step: every master gradient is set to None), or ``"ignore"``. The
-            check costs one small all-gather per step.
+            check costs one small all-gather per step, which the host waits for (on CUDA the host
+            then stops queuing kernels ahead of the GPU once per step; ``"ignore"`` with
+            ``debug_collectives=False`` removes the wait).
         debug_collectives: before every optimizer step, compare every rank's sequence of
             collectives (op, layer, size) since the last step, by hash, and raise
             :class:`yashard.CollectiveOrderError` at the first divergence. Off by default; cheap on.

@@ -651,7 +651,15 @@ class Runtime:
 
     @record_function("yashard::drain")
     def _drain(self) -> None:
-        """Wait for every collective in flight (compute waits on CUDA; the host waits on CPU)."""
+        """Wait for every reduction in flight and, on CPU, every gather (compute waits on CUDA;
+        the host waits on CPU).
+
+        On CUDA a gather's :class:`Pending` is ``done`` from its issue on and is not waited for
+        here: compute waits for it where the weights are used, so the gathers issued after the
+        optimizer step keep overlapping the next forward. One that is never used (a prefetch the
+        forward did not reach) may still read its shard while the optimizer or ``_refresh_sources``
+        writes it; its result is then thrown away, since it is used only while the masters keep the
+        version it was gathered at (``gathered_version``)."""
         for u in self.units:
             if u.gathered is not None and not u.gathered.done:
                 u.gathered.wait()

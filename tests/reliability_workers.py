@@ -17,36 +17,54 @@ def _setup(**cfg):
     return sm, opt
 
 
-def _step(sm, opt, rank, world, step):
+def _step(sm, opt, rank, world, step, clip=True, before_micro=None):
+    """One optimizer step on this rank's share of global batch ``step``; ``before_micro``: a list of
+    callables, one per micro-batch (its length is the number of micro-batches), run before each."""
     ids = batches(step + 1, 2 * world, 8, 96)[step].chunk(world)[rank]
-    loss = sm(input_ids=ids, labels=ids).loss
-    loss.backward()
-    sm.clip_grad_norm_(1.0)
+    micro = before_micro or [lambda: None]
+    losses = []
+    for hook, part in zip(micro, ids.chunk(len(micro))):
+        hook()
+        loss = sm(input_ids=part, labels=part).loss
+        (loss / len(micro)).backward()
+        losses.append(loss.item())
+    if clip:
+        sm.clip_grad_norm_(1.0)
     opt.step()
     opt.zero_grad()
-    return loss.item()
+    return sum(losses) / len(losses)
 
 
 def _poison(sm, layer: int, where: str):
-    """Make one layer's forward output (or, for "grad", only its input gradient) non-finite."""
+    """Make one layer's forward output (or, for "grad", only its input gradient) non-finite; returns
+    the hook's handle."""
     module = sm.module.model.layers[layer]
     if where == "forward":
-        module.mlp.down_proj.register_forward_hook(lambda m, a, out: out * float("inf"))
-    else:
-        def poison_grad(m, a, out):
-            (out if isinstance(out, torch.Tensor) else out[0]).register_hook(lambda g: g * float("nan"))
-        module.register_forward_hook(poison_grad)
+        return module.mlp.down_proj.register_forward_hook(lambda m, a, out: out * float("inf"))
+
+    def poison_grad(m, a, out):
+        (out if isinstance(out, torch.Tensor) else out[0]).register_hook(lambda g: g * float("nan"))
+    return module.register_forward_hook(poison_grad)
 
 
-def nonfinite(rank, world, mode, where):
-    """Step 0 clean, step 1 poisoned on rank 1 only, step 2 clean: what happens at step 1."""
+def nonfinite(rank, world, mode, where, clip=True, accum=1):
+    """Step 0 clean, step 1 poisoned on rank 1 only (with ``accum`` micro-batches: only the first),
+    step 2 clean: what happens at step 1."""
     sm, opt = _setup(on_nonfinite=mode)
     _step(sm, opt, rank, world, 0)
     before = {u.name: u.master.detach().clone() for u in sm.runtime.units}
-    if rank == 1:
-        _poison(sm, 2, where)
+    handles = []
+
+    def poison():
+        if rank == 1:
+            handles.append(_poison(sm, 2, where))
+
+    def heal():
+        while handles:
+            handles.pop().remove()
+
     try:
-        _step(sm, opt, rank, world, 1)
+        _step(sm, opt, rank, world, 1, clip=clip, before_micro=[poison] + [heal] * (accum - 1))
     except yashard.NonFiniteError as e:
         return dict(error=str(e))
     unchanged = all(torch.equal(before[u.name], u.master) for u in sm.runtime.units)

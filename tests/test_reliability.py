@@ -17,9 +17,13 @@ from reliability_workers import (die_or_stall, guard_run, lm_head_too_early, non
                                  uneven_micro_batches)
 
 
-@pytest.mark.parametrize("where", ["forward", "grad"])
-def test_nonfinite_raises_naming_the_layer_and_the_rank(where):
-    results = run_distributed(nonfinite, 2, "raise", where)
+@pytest.mark.parametrize("where,clip,accum", [("forward", True, 1), ("grad", True, 1), ("grad", False, 1),
+                                              ("grad", False, 2), ("grad", True, 2)])
+def test_nonfinite_raises_naming_the_layer_and_the_rank(where, clip, accum):
+    # the gradient check reads the clip's partial norms (taken before the clip spreads a NaN), or
+    # sums each gradient at the step when nothing clipped; with accumulation, a NaN from the first
+    # micro-batch only is still in the gradients the optimizer would step on
+    results = run_distributed(nonfinite, 2, "raise", where, clip, accum)
     for res in results:  # every rank raises the same error (the flags are all-gathered)
         msg = res["error"]
         assert msg == results[0]["error"]

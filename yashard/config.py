@@ -58,7 +58,9 @@ class ShardConfig:
             accumulation moves as many bytes as one without. Masters, their gradients and the
             optimizer state stay sharded. Not combinable with ``secondary_group_size`` (hpZ keeps
             slices for backward re-gathers, which this mode has none of).
-        on_nonfinite: what a NaN/inf in the gradients does at the next optimizer step: ``"raise"``
+        on_nonfinite: what a NaN/inf in the gradients (as the optimizer would step on them; where
+            ``clip_grad_norm_`` ran, read off its per-layer norms, so a norm that overflows counts
+            too) or in a layer's forward output does at the next optimizer step: ``"raise"``
             (:class:`yashard.NonFiniteError` naming the layer whose forward output, else whose
             gradients, first went non-finite, and the ranks), ``"skip"`` (a warning, and the
             optimizer skips the step: every master gradient is set to None), or ``"ignore"``. The

@@ -108,11 +108,11 @@ def step_checks(rt) -> None:
         return
     n = len(rt.units)
     log = comm.log
-    local = torch.cat([rt.fwd_nonfinite.long(), rt.grad_nonfinite.long(),
+    bad_grads = ~rt.grads_finite() if cfg.on_nonfinite != "ignore" else torch.zeros_like(rt.fwd_nonfinite)
+    local = torch.cat([rt.fwd_nonfinite.long(), bad_grads.long(),
                        torch.tensor([log.crc, len(log.sequence)], device=rt.device)])
     every = comm.all_gather_tensor(local, "step checks (before the optimizer step)").cpu()
     rt.fwd_nonfinite.zero_()
-    rt.grad_nonfinite.zero_()
     if cfg.debug_collectives:
         if not (every[:, 2 * n:] == every[0, 2 * n:]).all():
             _raise_divergence(rt)

@@ -246,7 +246,7 @@ class Runtime:
             u.order = i
         # Since the last optimizer step: did a unit's forward output / reduced gradient hold a NaN/inf?
         self.fwd_nonfinite = torch.zeros(len(self.units), dtype=torch.bool, device=self.device)
-        self.grad_nonfinite = torch.zeros(len(self.units), dtype=torch.bool, device=self.device)
+        self._clip_finite = None  # (per-unit 'gradient is finite' flags, the grads' versions) of the last clip
         self.skipped_steps = 0
         guards.track(self, removed)  # weak references: the removed parameters are freed as usual
         self.model.to(self.device)  # moves the remaining buffers (rotary tables, ...)
@@ -598,7 +598,6 @@ class Runtime:
         scale = 1.0 / self.dp_world
         master = unit.master
         replicas = self.comm.replica_group
-        check = self.config.on_nonfinite != "ignore"
 
         def accumulate(value):  # hybrid all-reduce, then post-divide, in fp32, into the persistent grad
             if not isinstance(value, torch.Tensor) or value.numel() != n:
@@ -610,8 +609,6 @@ class Runtime:
             with record_function("yashard::post_divide"):
                 if replicas is not None:
                     self.comm.all_reduce(value, unit.name, replicas)
-                if check:  # before clipping, which would spread a NaN to every gradient
-                    self.grad_nonfinite[unit.order].logical_or_(_nonfinite(value))
                 if not unit.grad_unwritten:
                     master.grad.add_(value, alpha=scale)
                 elif value.dtype == torch.float32:  # = 0 + scale * value, as add_ would give
@@ -756,7 +753,8 @@ class Runtime:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip every gradient shard by the global norm (a collective over the shard group);
         returns the norm before clipping. No temporary the size of a shard is allocated (see
-        :func:`_sum_of_squares`)."""
+        :func:`_squares_per_tensor`). Records which units' gradients were finite
+        (:meth:`grads_finite`)."""
         self.check_grads_reduced("clip_grad_norm_")
         norm_type = float(norm_type)
         grads = [u.master.grad for u in self.units if u.master.grad is not None]
@@ -764,17 +762,45 @@ class Runtime:
             raise ValueError(f"clip_grad_norm_ supports norm_type=2 or inf, got {norm_type}")
         zero = torch.zeros((), device=self.device)
         if norm_type == math.inf:
-            local = torch.stack(torch._foreach_norm(grads, math.inf)).max().float() if grads else zero
+            parts = torch.stack(torch._foreach_norm(grads, math.inf)) if grads else zero.view(1)
+            local = parts.max().float()
             self.comm.all_reduce(local, "clip_grad_norm", op="max")  # replicas hold the same shards
             total = local
         else:
-            sq = _sum_of_squares(grads).float() if grads else zero
+            parts = _squares_per_tensor(grads) if grads else zero.view(1)
+            sq = parts.sum().float()
             self.comm.all_reduce(sq, "clip_grad_norm")  # over the shard group: replicas are identical
             total = sq.sqrt()
         coef = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
         if grads:
+            # Which units' gradients were finite, read off the partial norms before the product
+            # spreads a NaN to every gradient: the step check uses them (grads_finite).
+            flags = iter(torch.isfinite(parts).unbind())
+            finite = self._per_unit(lambda g: next(flags))
             torch._foreach_mul_(grads, coef)
+            self._clip_finite = (finite, self._grad_versions())
         return total
+
+    def _grad_versions(self) -> tuple:
+        return tuple(None if u.master.grad is None else (id(u.master.grad), u.master.grad._version) for u in self.units)
+
+    @torch.no_grad()
+    def grads_finite(self) -> torch.Tensor:
+        """Per unit (``unit.order``), whether its master gradient holds no NaN/inf (a unit without
+        one counts as finite); a bool tensor on the device, no host sync. Read off the last
+        :meth:`clip_grad_norm_`'s partial norms if the gradients have not changed since (no pass over
+        them: a norm that is not finite means a NaN/inf, or values so large their squares overflow,
+        which would have zeroed every gradient), else one summing pass per unit."""
+        if self._clip_finite is not None and self._clip_finite[1] == self._grad_versions():
+            return self._clip_finite[0]
+        return self._per_unit(lambda g: ~_nonfinite(g))
+
+    def _per_unit(self, flag) -> torch.Tensor:
+        """``flag(unit.master.grad)`` (a 0-d bool) for each unit, in ``self.units`` order (= ``order``),
+        True where a unit has no gradient; stacked on the device (an index tensor built on the host
+        would be a copy that waits for the GPU)."""
+        true = torch.ones((), dtype=torch.bool, device=self.device)
+        return torch.stack([true if u.master.grad is None else flag(u.master.grad) for u in self.units])
 
     @torch.no_grad()
     def gather_full(self, what: str = "params") -> dict[str, torch.Tensor]:
@@ -834,9 +860,9 @@ class _What:
         return f"{self.op} of {self.unit} ({phase})"
 
 
-def _sum_of_squares(ts: list[torch.Tensor]) -> torch.Tensor:
-    """0-d fp64 (fp32 on devices other than CPU and CUDA): the sum of the squares of every element
-    of the flat fp32 shards ``ts``, with no temporary the size of a shard.
+def _squares_per_tensor(ts: list[torch.Tensor]) -> torch.Tensor:
+    """1-d fp64 (fp32 on devices other than CPU and CUDA): for each flat fp32 shard of ``ts``, the
+    sum of the squares of its elements, with no temporary the size of a shard.
 
     ``t.pow(2).sum()`` allocates a temporary as large as ``t`` (a whole layer's shard). On CUDA the
     norm kernels reduce as a tree with no temporary, so one ``_foreach_norm`` does it. torch's CPU
@@ -847,9 +873,9 @@ def _sum_of_squares(ts: list[torch.Tensor]) -> torch.Tensor:
     sums are added in fp64."""
     if ts[0].device.type != "cpu":  # fp64 where the device has it (not MPS, not every XPU)
         acc = torch.float64 if ts[0].device.type == "cuda" else torch.float32
-        return torch.stack(torch._foreach_norm(ts, 2.0)).to(acc).pow(2).sum()
-    parts = [torch.dot(c, c) for t in ts for c in t.split(1 << 16)]
-    return torch.stack(parts).sum(dtype=torch.float64)
+        return torch.stack(torch._foreach_norm(ts, 2.0)).to(acc).pow(2)
+    return torch.stack([torch.stack([torch.dot(c, c) for c in t.split(1 << 16)]).sum(dtype=torch.float64)
+                        for t in ts])
 
 
 def _nonfinite(t: torch.Tensor) -> torch.Tensor:

@@ -617,3 +617,17 @@ def test_cuda_device_must_be_the_current_one():
             "ShardConfig(device='cuda:1') but the current CUDA device is cuda:0; NCCL and yashard's streams work on "
             "the current device. Call torch.cuda.set_device(1) before yashard.shard")):
         cuda_device(torch.device("cuda", 1), 0)
+
+
+def test_a_clip_norm_that_overflows_is_refused_at_the_step(pg):
+    """Finite gradients whose squares overflow fp32 make the clip norm inf, and clipping by it
+    would zero every gradient: the step check reports the layer instead of stepping on zeros."""
+    sm = yashard.shard(build())
+    opt = torch.optim.AdamW(sm.parameters(), lr=1e-3)
+    _loss(sm).backward()
+    layer = sm.runtime.layers[1]
+    layer.master.grad[0] = 1e30  # finite, but its square is not
+    assert torch.isfinite(layer.master.grad).all()
+    assert not torch.isfinite(sm.clip_grad_norm_(1.0))
+    with pytest.raises(yashard.NonFiniteError, match=r"non-finite gradients in model\.layers\.1\b"):
+        opt.step()

@@ -148,7 +148,7 @@ def _nonfinite_message(rt, fwd: torch.Tensor, grad: torch.Tensor) -> str:
     if bad_grad:
         names = ", ".join(rt.module_name(u) for u in bad_grad[:4]) + (", ..." if len(bad_grad) > 4 else "")
         parts.append(f"non-finite gradients in {names} (first in backward order: {rt.module_name(bad_grad[0])}, "
-                     f"on {ranks(grad[:, bad_grad[0].order])})")
+                     f"on {ranks(grad[:, bad_grad[0].order])}; a NaN/inf, or values whose squared norm overflows)")
     return "yashard: NaN/inf before optimizer step: " + "; ".join(parts)
 
 

@@ -203,3 +203,14 @@ def uneven_layers(rank, world):
     except (yashard.CollectiveError, yashard.OrderError) as e:
         return dict(error=f"{type(e).__name__}: {e}", seconds=time.monotonic() - t0)
     return dict(error=None, seconds=time.monotonic() - t0)
+
+
+def default_backend_step(rank, world):
+    """The process group of init_process_group() without a backend (get_backend() says
+    "undefined"): shard, train two steps, report what the runtime picked."""
+    import torch.distributed as dist
+
+    sm, opt = _setup()
+    losses = [_step(sm, opt, rank, world, s) for s in range(2)]
+    return dict(get_backend=str(dist.get_backend()), backend=sm.runtime.comm.backend,
+                device=str(sm.runtime.device), losses=losses)

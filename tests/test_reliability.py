@@ -4,6 +4,7 @@
 ShardConfig in test_errors.py.)
 """
 
+import math
 import re
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 import yashard
 
 from harness import run_distributed, run_until_exit
-from reliability_workers import (die_or_stall, guard_run, lm_head_too_early, nonfinite,
+from reliability_workers import (default_backend_step, die_or_stall, guard_run, lm_head_too_early, nonfinite,
                                  nonfinite_skip_then_train, optimizer_before_shard, prefetch_after_step, uneven_layers,
                                  uneven_micro_batches)
 
@@ -149,3 +150,11 @@ def test_a_fused_optimizer_step_reaches_the_next_forward(pg, dtype):
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
         ref_loss = ref(input_ids=ids, labels=ids).loss.item()
     assert abs(loss - ref_loss) < (1e-5 if dtype == torch.float32 else 2e-2) * abs(ref_loss), (loss, ref_loss)
+
+
+def test_a_group_initialised_without_a_backend():
+    # torch 2.13: init_process_group() with no backend reports get_backend() == "undefined"
+    results = run_distributed(default_backend_step, 2, backend=None)
+    for res in results:
+        assert res["get_backend"] == "undefined" and "gloo" in res["backend"] and res["device"] == "cpu"
+    assert all(math.isfinite(loss) for res in results for loss in res["losses"])

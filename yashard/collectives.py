@@ -47,6 +47,14 @@ def backend_for(backend: str, device_type: str) -> str:
     return per_device.get(device_type, backend)
 
 
+def group_backend(group) -> str:
+    """The backend string of ``group``: ``"gloo"``, ``"nccl"`` or a mixed ``"cpu:gloo,cuda:nccl"``.
+    A group made by ``init_process_group()`` without a backend reports ``"undefined"`` through
+    ``get_backend`` and its per-device backends through ``get_backend_config``."""
+    backend = str(dist.get_backend(group))
+    return str(dist.get_backend_config(group)) if backend == "undefined" else backend
+
+
 class CollectiveError(RuntimeError):
     """A collective failed or did not finish in time; the message names the layer and phase."""
 
@@ -203,7 +211,7 @@ class Comm:
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
-        self.backend = str(dist.get_backend(self.group))
+        self.backend = group_backend(self.group)
         # where the collectives' tensors live; yashard.shard sets it to the device it picked
         self.device_type = "cuda" if "nccl" in self.backend and torch.cuda.is_available() else "cpu"
         self.log = CollectiveLog()
@@ -396,7 +404,7 @@ class Comm:
         group uses NCCL on CUDA)."""
         key = (id(group), self.device_type)
         if key not in self._gloo:
-            self._gloo[key] = backend_for(str(dist.get_backend(group)), self.device_type) == "gloo"
+            self._gloo[key] = backend_for(group_backend(group), self.device_type) == "gloo"
         return self._gloo[key]
 
     def all_reduce(self, t: torch.Tensor, unit: str, group: dist.ProcessGroup | None = None, *,

@@ -631,3 +631,47 @@ def test_a_clip_norm_that_overflows_is_refused_at_the_step(pg):
     assert not torch.isfinite(sm.clip_grad_norm_(1.0))
     with pytest.raises(yashard.NonFiniteError, match=r"non-finite gradients in model\.layers\.1\b"):
         opt.step()
+
+
+def test_state_dict_is_refused_with_the_alternatives(pg, tmp_path):
+    """Every rank's flat shards under the same names: torch.save / torch.distributed.checkpoint
+    would silently keep one rank's piece, so state_dict() refuses and names what to use."""
+    sm = yashard.shard(build())
+    for call in (sm.state_dict, sm.module.state_dict, lambda: sm.module.save_pretrained(tmp_path / "hf")):
+        with pytest.raises(RuntimeError, match=r"state_dict\(\) of a yashard-sharded model: .*silently keep one "
+                                               r"rank's piece.*yashard\.save_checkpoint\(path, model, optimizer\).*"
+                                               r"model\.full_state_dict\(\).*yashard\.export_hf"):
+            call()
+    with pytest.raises(RuntimeError, match=r"load_state_dict\(\) into a yashard-sharded model: .*yashard\.load_checkpoint"
+                                           r".*yashard\.from_pretrained"):
+        sm.load_state_dict({})
+    assert set(sm.full_state_dict()) == set(build().state_dict())  # the collective form works
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_generate_matches_the_unsharded_model(pg, family):
+    """HF's generate() reads model.device / model.dtype from a parameter, and a sharded HF module has
+    none: they answer the runtime's device and compute dtype, and greedy decoding (KV cache on)
+    gives the unsharded model's tokens."""
+    ref = build(family).eval()
+    sm = yashard.shard(build(family)).eval()
+    assert sm.module.device == torch.device("cpu") and sm.module.dtype == torch.float32
+    assert type(sm.module).__name__ == type(ref).__name__ and isinstance(sm.module, type(ref))
+    prompt = _ids(3)[:, :4]
+    with torch.no_grad():
+        want = ref.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        got = sm.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert got.shape == (2, 10) and torch.equal(got, want)
+
+
+def test_dtype_and_device_conversions_are_refused(pg):
+    sm = yashard.shard(build())
+    masters = [p.data_ptr() for p in sm.parameters()]
+    for convert in (lambda m: m.to(torch.bfloat16), lambda m: m.half(), lambda m: m.double(),
+                    lambda m: m.module.to(torch.bfloat16), lambda m: m.to("meta")):
+        with pytest.raises(ValueError, match=r"converting a yashard-sharded model to (torch\.(bfloat16|float16|float64)|meta) "
+                                             r"would break its fp32 master shards.*ShardConfig\(param_dtype=torch\.bfloat16\)"):
+            convert(sm)
+    assert sm.to("cpu") is sm and sm.float() is sm and sm.module.to(torch.float32) is sm.module  # no-ops pass
+    assert [p.data_ptr() for p in sm.parameters()] == masters and all(p.dtype == torch.float32 for p in sm.parameters())
+    _loss(sm).backward()  # still trains

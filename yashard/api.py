@@ -43,6 +43,74 @@ def cuda_device(device: torch.device, current: int) -> torch.device:
     return device
 
 
+_STATE_DICT_ALTERNATIVES = (
+    "Save with yashard.save_checkpoint(path, model, optimizer) and restore with yashard.load_checkpoint "
+    "(crash-safe; loads at any world size), gather full HF-named tensors with model.full_state_dict() "
+    "(a collective: every rank calls it), or write an HF folder with yashard.export_hf(model, path)"
+)
+
+
+def _refuse_state_dict(module, prefix, keep_vars):
+    raise RuntimeError(
+        "state_dict() of a yashard-sharded model: its parameters are flat per-rank shards that every rank "
+        "would report under the same names, so torch.save or torch.distributed.checkpoint would silently keep "
+        "one rank's piece (and the HF module itself holds no parameters). " + _STATE_DICT_ALTERNATIVES
+    )
+
+
+def _refuse_load_state_dict(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                            error_msgs):
+    raise RuntimeError(
+        "load_state_dict() into a yashard-sharded model: its parameters are flat per-rank shards. "
+        + _STATE_DICT_ALTERNATIVES.replace("Save with yashard.save_checkpoint(path, model, optimizer) and restore "
+                                           "with yashard.load_checkpoint", "Restore a yashard.save_checkpoint "
+                                           "checkpoint with yashard.load_checkpoint")
+        + "; to start from full HF weights, shard with yashard.shard(model, weights=folder) or yashard.from_pretrained"
+    )
+
+
+_SHARDED_CLASSES: dict[type, type] = {}
+
+
+def _check_conversion(fn, device: torch.device) -> None:
+    """Refuse a ``.to()`` / ``.half()`` / ``.cuda()`` ... (``nn.Module._apply(fn)``) that would change
+    the dtype or device of fp32 tensors: the masters and every buffer the runtime allocated stay
+    as sharded. Tried on an empty fp32 tensor first, so nothing is touched when it is refused."""
+    probe = torch.empty(0, dtype=torch.float32, device=device)
+    out = fn(probe)
+    if isinstance(out, torch.Tensor) and (out.dtype != probe.dtype or out.device != probe.device):
+        raise ValueError(
+            f"converting a yashard-sharded model to {out.dtype if out.dtype != probe.dtype else out.device} would "
+            f"break its fp32 master shards and its buffers on {device}, which are fixed at shard time. Choose the "
+            "compute dtype with ShardConfig(param_dtype=torch.bfloat16) and the device with ShardConfig(device=...) "
+            "(or the model's device before yashard.shard) instead"
+        )
+
+
+def _answer_device_and_dtype(module: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """HF reads a model's ``device`` and ``dtype`` from its first parameter (``generate()``,
+    ``save_pretrained``), and a sharded HF module has none left: give the module a subclass of its
+    class (same name, cached per class) whose ``device`` is the runtime's device and whose
+    ``dtype`` is the compute dtype (``param_dtype``)."""
+    cls = type(module)
+    if not isinstance(getattr(cls, "device", None), property):
+        return  # not an HF model: nothing reads these
+    sub = _SHARDED_CLASSES.get(cls)
+    if sub is None:
+        def _apply(self, fn, recurse=True):
+            _check_conversion(fn, self.__dict__["_yashard_device"])
+            return cls._apply(self, fn, recurse)
+
+        sub = _SHARDED_CLASSES[cls] = type(cls.__name__, (cls,), {
+            "__module__": cls.__module__, "__qualname__": cls.__qualname__, "_apply": _apply,
+            "device": property(lambda self: self.__dict__["_yashard_device"], doc="The sharded model's device."),
+            "dtype": property(lambda self: self.__dict__["_yashard_dtype"], doc="The compute dtype (param_dtype)."),
+        })
+    module.__class__ = sub
+    module.__dict__["_yashard_device"] = device
+    module.__dict__["_yashard_dtype"] = dtype
+
+
 class ShardedModel(nn.Module):
     """A HuggingFace causal LM whose parameters are sharded across the process group.
 
@@ -58,9 +126,17 @@ class ShardedModel(nn.Module):
         self.module = module
         self.shards = nn.ParameterDict({u.name: u.master for u in runtime.units})
         object.__setattr__(self, "_runtime", runtime)
+        _answer_device_and_dtype(module, runtime.device, runtime.config.param_dtype)
+        for m in (self, module):  # module too: HF's save_pretrained reads its state_dict
+            m.register_state_dict_pre_hook(_refuse_state_dict)
+            m.register_load_state_dict_pre_hook(_refuse_load_state_dict)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
+
+    def _apply(self, fn, recurse=True):
+        _check_conversion(fn, self._runtime.device)
+        return super()._apply(fn, recurse)
 
     def __getattr__(self, name: str):
         try:

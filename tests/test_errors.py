@@ -675,3 +675,30 @@ def test_dtype_and_device_conversions_are_refused(pg):
     assert sm.to("cpu") is sm and sm.float() is sm and sm.module.to(torch.float32) is sm.module  # no-ops pass
     assert [p.data_ptr() for p in sm.parameters()] == masters and all(p.dtype == torch.float32 for p in sm.parameters())
     _loss(sm).backward()  # still trains
+
+
+@pytest.mark.parametrize("checkpoint_layers", [0, 2])
+def test_weights_read_outside_the_forward_raise_instead_of_showing_another_layer(pg, checkpoint_layers):
+    """Decoder layers take turns in two buffers: after the forward, layer 0's module attributes would
+    view the buffer that now holds layer 2. They are taken off once nothing reads them (after the
+    forward, or after the backward for activation-checkpointed layers), and reading one says why."""
+    sm = yashard.shard(build(num_hidden_layers=4), config=yashard.ShardConfig(checkpoint_layers=checkpoint_layers))
+    ref = build(num_hidden_layers=4)
+    q0 = sm.module.model.layers[0].self_attn.q_proj
+    loss = _loss(sm)
+    if checkpoint_layers:
+        assert "weight" in q0.__dict__  # the recompute in backward reads it
+    loss.backward()
+    with pytest.raises(AttributeError, match=r"model\.layers\.0\.self_attn\.q_proj\.weight is sharded by yashard: .*"
+                                             r"model\.full_state_dict\(\)"):
+        q0.weight
+    with torch.no_grad():
+        _loss(sm)
+    with pytest.raises(AttributeError, match=r"is sharded by yashard"):
+        sm.module.lm_head.weight
+    assert isinstance(q0, nn.Linear) and type(q0).__name__ == "Linear" and q0.in_features == 32
+    # the norm weights sit in a buffer of their own: they stay readable, with the right values
+    norm = sm.module.model.layers[3].input_layernorm.weight
+    assert torch.equal(norm, ref.model.layers[3].input_layernorm.weight)
+    with pytest.raises(AttributeError, match=r"no attribute 'nonexistent'"):
+        q0.nonexistent  # other missing attributes keep torch's message

@@ -224,8 +224,9 @@ class Runtime:
                                              device=self.device)
             for p, locs, fqns in members:      # the HF modules no longer own these parameters
                 removed[p] = fqns[0]
-                for module, attr in locs:
+                for (module, attr), fqn in zip(locs, fqns):
                     module._parameters.pop(attr, None)
+                    _mark_sharded(module, attr, fqn)
             self.units.append(unit)
             if kind == "layer":
                 self.layers.append(unit)
@@ -242,8 +243,15 @@ class Runtime:
         for a, b in zip(order, order[1:] + [None]):
             a.next_forward = b
         self.norm_group = NormGroup(self.small) if self.small else None
+        sharing = {}
+        for u in self.units:
+            sharing[u.slot.name] = sharing.get(u.slot.name, 0) + 1
         for i, u in enumerate(self.units):
             u.order = i
+            # Views of a unit whose slot other units reuse come off once nothing reads them any more:
+            # after its forward, or (activation checkpointing recomputes the forward) its backward.
+            if sharing[u.slot.name] > 1:
+                u.views_until = "backward" if u.kind == "layer" and u.index < self.config.checkpoint_layers else "forward"
         # Since the last optimizer step: did a unit's forward output / reduced gradient hold a NaN/inf?
         self.fwd_nonfinite = torch.zeros(len(self.units), dtype=torch.bool, device=self.device)
         self._clip_finite = None  # (per-unit 'gradient is finite' flags, the grads' versions) of the last clip
@@ -480,6 +488,8 @@ class Runtime:
 
     def _post_forward(self, unit: Unit, module, args, output):
         unit.slot.release = self.streams.record(self.streams.compute)  # R1 for the next owner
+        if unit.views_until == "forward":
+            unit.remove_views()
         if not torch.is_grad_enabled():
             return None
         flat, spec = tree_flatten(output)
@@ -643,6 +653,8 @@ class Runtime:
             for u in self.units:
                 if u.unreduced:  # a zero_grad from now on changes it: see begin_backward
                     u.unreduced_version = u.grad_storage._version
+                if u.views_until == "backward":
+                    u.remove_views()
         finally:
             self.in_backward = False
 
@@ -876,6 +888,35 @@ def _squares_per_tensor(ts: list[torch.Tensor]) -> torch.Tensor:
         return torch.stack(torch._foreach_norm(ts, 2.0)).to(acc).pow(2)
     return torch.stack([torch.stack([torch.dot(c, c) for c in t.split(1 << 16)]).sum(dtype=torch.float64)
                         for t in ts])
+
+
+_MARKED_CLASSES: dict[type, type] = {}
+
+
+def _mark_sharded(module: nn.Module, attr: str, fqn: str) -> None:
+    """Give ``module`` (an HF submodule that lost parameter ``attr`` to a shard) a same-named
+    subclass of its class whose missing-attribute error says where the parameter went."""
+    cls = type(module)
+    if cls not in _MARKED_CLASSES.values():
+        sub = _MARKED_CLASSES.get(cls)
+        if sub is None:
+            def __getattr__(self, name):
+                try:
+                    return cls.__getattr__(self, name)
+                except AttributeError:
+                    fqn = self.__dict__.get("_yashard_sharded", {}).get(name)
+                    if fqn is None:
+                        raise
+                    raise AttributeError(
+                        f"{fqn} is sharded by yashard: its values live in flat per-rank shards and are gathered into "
+                        "a shared buffer only while its layer runs. Read full tensors with model.full_state_dict() "
+                        "(a collective: every rank calls it) or write them with yashard.export_hf"
+                    ) from None
+
+            sub = _MARKED_CLASSES[cls] = type(cls.__name__, (cls,), {
+                "__module__": cls.__module__, "__qualname__": cls.__qualname__, "__getattr__": __getattr__})
+        module.__class__ = sub
+    module.__dict__.setdefault("_yashard_sharded", {})[attr] = fqn
 
 
 def _nonfinite(t: torch.Tensor) -> torch.Tensor:

@@ -63,6 +63,9 @@ class Unit:
         # (only with reshard_after_forward=False, where the slot is the unit's alone).
         self.unreduced = False
         self.unreduced_version = -1  # grad_storage._version then: a zero_grad since drops them
+        # When the module views come off again: None (the slot is this unit's alone, so they stay
+        # right), "forward" or "backward" (set by the runtime).
+        self.views_until = None
         # master.grad was attached after a zero_grad(set_to_none=True) and holds nothing yet: the
         # first reduction of the backward writes it instead of adding to it.
         self.grad_unwritten = False
@@ -87,6 +90,14 @@ class Unit:
                 view = weights.narrow(0, entry.offset, entry.numel).view(entry.shape)
             for module, attr in locs:
                 module.__dict__[attr] = view
+
+    def remove_views(self) -> None:
+        """Take the views off the modules again. A slot another unit takes over next would
+        otherwise show that unit's weights under this unit's names (``layer.q_proj.weight`` read
+        after the forward); reading them now raises, naming what to use instead."""
+        for locs in self.locations:
+            for module, attr in locs:
+                module.__dict__.pop(attr, None)
 
     # ---- backward ----------------------------------------------------------------------------
     def write_grad(self, index: int, grad: torch.Tensor) -> None:

@@ -702,3 +702,11 @@ def test_weights_read_outside_the_forward_raise_instead_of_showing_another_layer
     assert torch.equal(norm, ref.model.layers[3].input_layernorm.weight)
     with pytest.raises(AttributeError, match=r"no attribute 'nonexistent'"):
         q0.nonexistent  # other missing attributes keep torch's message
+
+
+def test_mesh_and_process_group_together_are_refused(pg):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1,))
+    with pytest.raises(ValueError, match=r"yashard\.shard got both process_group= and mesh=.*Pass one of them"):
+        yashard.shard(build(), process_group=dist.group.WORLD, mesh=mesh)

@@ -92,8 +92,10 @@ def wait_work(work, what, timeout: float | None, where: tuple[int, int] | None =
         raise CollectiveError(
             f"yashard: {what}{at} failed: {cause}. A peer rank died, stalled, or issued a different sequence of "
             "collectives (a rank that ran more or fewer forward passes or layers). Look for the first error "
-            "on the other ranks; ShardConfig(debug_collectives=True) finds the first divergence, "
-            "ShardConfig(collective_timeout=...) bounds the wait"
+            "on the other ranks and compare the collective, layer and phase each rank names here (a rank that "
+            "waits in another phase, e.g. another forward, ran a different number of micro-batches); "
+            "ShardConfig(debug_collectives=True) finds a divergence that does not hang, at the next optimizer "
+            "step; ShardConfig(collective_timeout=...) bounds the wait"
         ) from e
 
 

@@ -91,6 +91,12 @@ class TrainConfig:
             raise ValueError(f"{' and '.join(chosen)} each choose the model: pass only one of them")
         if self.stop_at is not None and not 1 <= self.stop_at <= self.steps:
             raise ValueError(f"--stop-at {self.stop_at} must be between 1 and --steps {self.steps}")
+        if self.data is not None:
+            if not self.data.endswith((".txt", ".jsonl")):
+                raise ValueError(f"--data {self.data}: unsupported file type; pass a .txt file (plain language "
+                                 "modelling) or a .jsonl file of {\"prompt\", \"response\"} lines (SFT)")
+            if not os.path.isfile(self.data):
+                raise ValueError(f"--data {self.data}: no such file")
 
 
 # --------------------------------------------------------------------------------------------
@@ -298,12 +304,24 @@ def setup(cfg: TrainConfig) -> Session:
     start_step = 0
     ckpt = out_dir / "checkpoint"
     if cfg.resume and (ckpt / "LATEST").exists():
-        start_step = yashard.load_checkpoint(ckpt, model, opt)["step"]
+        extra = yashard.load_checkpoint(ckpt, model, opt)
+        start_step = extra["step"]
         if is_main:
             print(f"resumed from {ckpt} after step {start_step}")
             _truncate_log(out_dir / "log.jsonl", start_step)
+            saved = extra.get("global_batch")
+            if saved is not None and saved != global_batch:
+                print(f"WARNING: the checkpoint was trained with a global batch of {saved} sequences, this run uses "
+                      f"{global_batch} (--micro-batch {cfg.micro_batch} per rank x --accum-steps {cfg.accum_steps} x "
+                      f"world size {world_size}): the batches and the loss curve differ from the uninterrupted run. "
+                      f"Choose --micro-batch and --accum-steps so that their product times the world size is {saved} "
+                      "to keep it")
     elif cfg.resume and is_main:
         print(f"--resume: no checkpoint in {ckpt} yet, starting at step 0")
+    elif is_main and (ckpt / "LATEST").exists():
+        print(f"WARNING: {ckpt} holds a checkpoint and this run starts at step 0 without --resume true: its log.jsonl "
+              "is rewritten now and its checkpoint replaced at the first save. Pass --resume true to continue it, or "
+              "another --out-dir")
     if is_main:
         (out_dir / "config.json").write_text(json.dumps({**dataclasses.asdict(cfg), "world_size": world_size}, indent=2))
         print(f"model: {describe_model(cfg)} ({n_params / 1e6:.2f}M params), "
@@ -405,7 +423,8 @@ def train_loop(s: Session, profiler=None) -> list[dict]:
         stop = step + 1 == (cfg.stop_at or cfg.steps)
         if cfg.save_every > 0 and ((step + 1) % cfg.save_every == 0 or stop):
             with record_function("yashard::save_checkpoint"):
-                yashard.save_checkpoint(s.out_dir / "checkpoint", s.model, s.opt, extra={"step": step + 1})
+                yashard.save_checkpoint(s.out_dir / "checkpoint", s.model, s.opt,
+                                        extra={"step": step + 1, "global_batch": s.global_batch})
 
         record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": float(grad_norm),
                   "tokens_per_s": s.tokens_per_step / dt, "elapsed": train_time}

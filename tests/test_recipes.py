@@ -171,7 +171,7 @@ def test_stop_and_resume_reproduce_the_uninterrupted_run_bitwise(pretrain_run, t
     assert (out / "checkpoint" / "LATEST").exists() and not (out / "final").exists()
     assert [r["step"] for r in read_log(out / "log.jsonl")] == list(range(1, 11))
     stdout = run_recipe("pretrain.py", *args, "--resume", "true")
-    assert "resumed from" in stdout and "after step 10" in stdout
+    assert "resumed from" in stdout and "after step 10" in stdout and "WARNING" not in stdout
     keys = ("step", "loss", "lr", "grad_norm", "eval_loss")
     resumed = [{k: r.get(k) for k in keys} for r in read_log(out / "log.jsonl")]
     uninterrupted = [{k: r.get(k) for k in keys} for r in read_log(full_out / "log.jsonl")]
@@ -484,3 +484,25 @@ def test_phase_memory_recipe_reports_every_phase_and_constant_memory_after_step_
     assert len(rows) == 3 and all(len(r) == 3 for r in rows), out
     for (e1, _), (e2, _) in zip(rows[1], rows[2]):   # steps 1 and 2: same memory at every phase end
         assert abs(e2 - e1) <= 3, rows
+
+
+def test_resume_with_another_global_batch_and_a_fresh_run_over_a_checkpoint_warn(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(TINY_CONFIG))
+    out = tmp_path / "out"
+    args = ["--config", str(tmp_path / "config.json"), "--steps", "4", "--eval-every", "0", "--out-dir", str(out),
+            "--seq-len", "64", "--max-bytes", "300000", "--save-every", "1"]
+    run_recipe("pretrain.py", *args, "--micro-batch", "2", "--stop-at", "1")
+    stdout = run_recipe("pretrain.py", *args, "--micro-batch", "1", "--stop-at", "2", "--resume", "true")
+    assert re.search(r"WARNING: the checkpoint was trained with a global batch of 4 sequences, this run uses 2 "
+                     r"\(--micro-batch 1 per rank x --accum-steps 1 x world size 2\)", stdout), stdout
+    stdout = run_recipe("pretrain.py", *args, "--micro-batch", "2", "--stop-at", "1")
+    assert re.search(r"WARNING: .*checkpoint holds a checkpoint and this run starts at step 0 without --resume true",
+                     stdout), stdout
+
+
+@pytest.mark.parametrize("path,message", [("corpus.csv", r"--data .*corpus\.csv: unsupported file type; pass a \.txt"),
+                                          ("missing.txt", r"--data .*missing\.txt: no such file")])
+def test_data_option_errors(tmp_path, path, message):
+    (tmp_path / "corpus.csv").write_text("a,b\n")
+    with pytest.raises(ValueError, match=message):
+        pretrain.PretrainConfig(data=str(tmp_path / path)).validate()

@@ -30,10 +30,10 @@ class PretrainConfig(TrainConfig):
     out_dir: str = field(default="runs/pretrain", metadata={"help": "where logs, plot and checkpoint go"})
 
     def validate(self) -> None:
-        super().validate()
         if self.data is not None and self.data.endswith(".jsonl"):
             raise ValueError(f"--data {self.data} is SFT prompt/response data; pretraining takes plain "
                              "text (.txt) - use recipes/finetune.py for .jsonl")
+        super().validate()
 
 
 def parse_config(argv: list[str] | None = None) -> PretrainConfig:

@@ -704,9 +704,14 @@ def test_weights_read_outside_the_forward_raise_instead_of_showing_another_layer
         q0.nonexistent  # other missing attributes keep torch's message
 
 
-def test_mesh_and_process_group_together_are_refused(pg):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (1,))
-    with pytest.raises(ValueError, match=r"yashard\.shard got both process_group= and mesh=.*Pass one of them"):
-        yashard.shard(build(), process_group=dist.group.WORLD, mesh=mesh)
+def test_a_parameter_added_after_shard_is_refused_at_the_step(pg):
+    sm = yashard.shard(build())
+    opt = torch.optim.AdamW(sm.parameters(), lr=1e-3)
+    _loss(sm).backward()
+    opt.step()  # nothing added yet: steps
+    mlp = sm.module.model.layers[0].mlp
+    mlp.up_proj = nn.Linear(mlp.up_proj.in_features, mlp.up_proj.out_features, bias=False)
+    _loss(sm).backward()
+    with pytest.raises(RuntimeError, match=r"model\.layers\.0\.mlp\.up_proj\.weight \(shape \(\d+, \d+\)\) is a parameter "
+                                           r"of the sharded model that yashard\.shard did not shard"):
+        opt.step()

@@ -245,11 +245,6 @@ def shard(model: nn.Module, *, config: ShardConfig | None = None, process_group=
         raise TypeError(f"config must be a yashard.ShardConfig, got {type(config).__name__}")
     if mesh is not None and not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
-    if mesh is not None and process_group is not None:
-        raise ValueError(
-            "yashard.shard got both process_group= and mesh=: the mesh's own process groups define the data-parallel "
-            "layout (1-D: the group; 2-D: shard along rows, replicate along columns). Pass one of them"
-        )
     comm = Comm(process_group, shard_group_size=config.shard_group_size,
                 secondary_group_size=config.secondary_group_size, timeout=config.collective_timeout, mesh=mesh)
     comm.log.track = config.debug_collectives

@@ -89,6 +89,7 @@ def _runtimes(optimizer, check: bool) -> list:
 def _before_step(optimizer, args, kwargs):
     for rt in _runtimes(optimizer, check=True):
         rt.check_grads_reduced(f"{type(optimizer).__name__}.step()")
+        rt.check_no_new_parameters()
         step_checks(rt)
     return None
 

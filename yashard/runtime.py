@@ -703,6 +703,18 @@ class Runtime:
                 "is then accumulated in fp32)"
             )
 
+    def check_no_new_parameters(self) -> None:
+        """Raise if the HF module holds a parameter again (``yashard.shard`` took them all): one added
+        after sharding (a module replaced, say) is neither sharded nor reduced across ranks."""
+        name, p = next(iter(self.model.named_parameters()), (None, None))
+        if name is not None:
+            raise RuntimeError(
+                f"{name} (shape {tuple(p.shape)}) is a parameter of the sharded model that yashard.shard did not shard: "
+                "it was added afterwards (a module replaced or appended?), so its gradient is never reduced across "
+                "ranks and the ranks' copies drift apart. Make the change before yashard.shard (shard the changed "
+                "model), or freeze it as a buffer"
+            )
+
     def check_grads_reduced(self, what: str) -> None:
         """Raise if a ``no_sync()`` backward left gradients that were never reduced across ranks."""
         held = [self.module_name(u) for u in self.units if u.unreduced]

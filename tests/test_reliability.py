@@ -67,6 +67,9 @@ def test_a_dead_or_stalled_rank_makes_the_others_raise_in_bounded_time(action):
     assert re.search(r"yashard: (all_gather|gradient reduction \(\w+\)) of \w+ \((backward of )?forward #3\) "
                      r"on rank 0 of 2 failed: ", res["error"]), res["error"]
     assert "A peer rank died, stalled, or issued a different sequence of collectives" in res["error"]
+    assert re.search(r"compare the collective, layer and phase each rank names here .*debug_collectives=True\) finds a "
+                     r"divergence that does not hang, at the next optimizer step; ShardConfig\(collective_timeout=\.\.\.\) "
+                     r"bounds the wait", res["error"]), res["error"]
     if action == "stall":
         assert "timed out" in res["error"].lower() and timeout <= res["seconds"] < timeout + 10, res
     else:

@@ -124,3 +124,22 @@ def simulate_qgz_seeded(fulls, nodes, L, bits, block, seeds):
         recv2 = torch.cat([send2[k * L + i][n * P:(n + 1) * P] for k in range(nodes)])
         Q.dequantize_parts(recv2, nparts=1, numel=c, out=outs[g], nreduce=nodes, reduce_stride=P, **kw)
     return outs
+
+
+def qgz_tensor_errors(rank: int, world: int, bits: int, block: int | None) -> dict:
+    """One backward of a 3-layer tiny Llama at init through qgz_hook (2 ranks per node; ``block``
+    None: QgzState's default) and through the exact default: each parameter's relative error."""
+    import yashard
+    from models import batches, build
+
+    ids = batches(1, 2 * world, 16, 96)[0].chunk(world)[rank]
+    grads = []
+    for hook in (None, "qgz"):
+        sm = yashard.shard(build(num_hidden_layers=3))
+        if hook:
+            sm.register_comm_hook(comm_hooks.QgzState(sm, ranks_per_node=2, bits=bits, block=block),
+                                  comm_hooks.qgz_hook)
+        sm(input_ids=ids, labels=ids).loss.backward()
+        grads.append(sm.full_grads())
+    exact, got = grads
+    return {k: ((got[k] - exact[k]).norm() / exact[k].norm()).item() for k in exact if exact[k].norm() > 0}

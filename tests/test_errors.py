@@ -452,7 +452,7 @@ def test_qgz_state_errors(pg):
         with pytest.raises(ValueError, match=pattern):
             QgzState(sm, **kw)
     assert QgzState(sm, 1).rounding == "stochastic" and QgzState(sm, 1, bits=8).rounding == "nearest"
-    assert (QgzState(sm, 1).block, QgzState(sm, 1, bits=8).block, QgzState(sm, 1, block=256).block) == (64, 4096, 256)
+    assert (QgzState(sm, 1).block, QgzState(sm, 1, bits=8).block, QgzState(sm, 1, block=1024).block) == (64, 256, 1024)
 
 
 def test_mesh_errors(pg):

@@ -15,6 +15,7 @@ from .config import ShardConfig
 from .memory import MemoryPlan
 from .patch.spec import resolve_spec
 from .runtime import Runtime
+from .unit import same_named_subclass
 
 logger = logging.getLogger("yashard")
 
@@ -95,18 +96,15 @@ def _answer_device_and_dtype(module: nn.Module, device: torch.device, dtype: tor
     cls = type(module)
     if not isinstance(getattr(cls, "device", None), property):
         return  # not an HF model: nothing reads these
-    sub = _SHARDED_CLASSES.get(cls)
-    if sub is None:
-        def _apply(self, fn, recurse=True):
-            _check_conversion(fn, self.__dict__["_yashard_device"])
-            return cls._apply(self, fn, recurse)
+    def _apply(self, fn, recurse=True):
+        _check_conversion(fn, self.__dict__["_yashard_device"])
+        return cls._apply(self, fn, recurse)
 
-        sub = _SHARDED_CLASSES[cls] = type(cls.__name__, (cls,), {
-            "__module__": cls.__module__, "__qualname__": cls.__qualname__, "_apply": _apply,
-            "device": property(lambda self: self.__dict__["_yashard_device"], doc="The sharded model's device."),
-            "dtype": property(lambda self: self.__dict__["_yashard_dtype"], doc="The compute dtype (param_dtype)."),
-        })
-    module.__class__ = sub
+    module.__class__ = same_named_subclass(cls, _SHARDED_CLASSES, {
+        "_apply": _apply,
+        "device": property(lambda self: self.__dict__["_yashard_device"], doc="The sharded model's device."),
+        "dtype": property(lambda self: self.__dict__["_yashard_dtype"], doc="The compute dtype (param_dtype)."),
+    })
     module.__dict__["_yashard_device"] = device
     module.__dict__["_yashard_dtype"] = dtype
 

@@ -29,7 +29,7 @@ from .layout import build_layout, slot_assignment
 from .memory import MemoryPlan, plan_memory
 from .norm_group import NormGroup, is_small_param
 from .patch.spec import ModelSpec, get_path
-from .unit import Unit
+from .unit import Unit, same_named_subclass
 from .zeropp import qwz_all_gather, qwz_workspace_nbytes
 
 logger = logging.getLogger("yashard")
@@ -910,24 +910,20 @@ def _mark_sharded(module: nn.Module, attr: str, fqn: str) -> None:
     subclass of its class whose missing-attribute error says where the parameter went."""
     cls = type(module)
     if cls not in _MARKED_CLASSES.values():
-        sub = _MARKED_CLASSES.get(cls)
-        if sub is None:
-            def __getattr__(self, name):
-                try:
-                    return cls.__getattr__(self, name)
-                except AttributeError:
-                    fqn = self.__dict__.get("_yashard_sharded", {}).get(name)
-                    if fqn is None:
-                        raise
-                    raise AttributeError(
-                        f"{fqn} is sharded by yashard: its values live in flat per-rank shards and are gathered into "
-                        "a shared buffer only while its layer runs. Read full tensors with model.full_state_dict() "
-                        "(a collective: every rank calls it) or write them with yashard.export_hf"
-                    ) from None
+        def __getattr__(self, name):
+            try:
+                return cls.__getattr__(self, name)
+            except AttributeError:
+                fqn = self.__dict__.get("_yashard_sharded", {}).get(name)
+                if fqn is None:
+                    raise
+                raise AttributeError(
+                    f"{fqn} is sharded by yashard: its values live in flat per-rank shards and are gathered into "
+                    "a shared buffer only while its layer runs. Read full tensors with model.full_state_dict() "
+                    "(a collective: every rank calls it) or write them with yashard.export_hf"
+                ) from None
 
-            sub = _MARKED_CLASSES[cls] = type(cls.__name__, (cls,), {
-                "__module__": cls.__module__, "__qualname__": cls.__qualname__, "__getattr__": __getattr__})
-        module.__class__ = sub
+        module.__class__ = same_named_subclass(cls, _MARKED_CLASSES, {"__getattr__": __getattr__})
     module.__dict__.setdefault("_yashard_sharded", {})[attr] = fqn
 
 

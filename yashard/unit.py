@@ -139,3 +139,14 @@ class Unit:
     def on_backward_start(self, fwd_id: int) -> None:
         """``BackwardEntry.backward``: gradients of this unit's outputs (of forward ``fwd_id``) are ready."""
         self.rt.on_unit_backward_start(self, fwd_id)
+
+
+def same_named_subclass(cls: type, cache: dict, members: dict) -> type:
+    """A subclass of ``cls`` with ``cls``'s name, module and qualname and the given ``members``,
+    made once per class (``cache``): what the runtime gives HF modules whose behaviour it changes,
+    so ``type(m).__name__``, ``isinstance`` and reprs stay as they were."""
+    sub = cache.get(cls)
+    if sub is None:
+        sub = cache[cls] = type(cls.__name__, (cls,), {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                                                        **members})
+    return sub

@@ -44,29 +44,27 @@ def cuda_device(device: torch.device, current: int) -> torch.device:
     return device
 
 
-_STATE_DICT_ALTERNATIVES = (
-    "Save with yashard.save_checkpoint(path, model, optimizer) and restore with yashard.load_checkpoint "
-    "(crash-safe; loads at any world size), gather full HF-named tensors with model.full_state_dict() "
-    "(a collective: every rank calls it), or write an HF folder with yashard.export_hf(model, path)"
-)
+_FULL_TENSORS = ("gather full HF-named tensors with model.full_state_dict() (a collective: every rank calls it), "
+                 "or write an HF folder with yashard.export_hf(model, path)")
 
 
 def _refuse_state_dict(module, prefix, keep_vars):
     raise RuntimeError(
         "state_dict() of a yashard-sharded model: its parameters are flat per-rank shards that every rank "
         "would report under the same names, so torch.save or torch.distributed.checkpoint would silently keep "
-        "one rank's piece (and the HF module itself holds no parameters). " + _STATE_DICT_ALTERNATIVES
+        "one rank's piece (and the HF module itself holds no parameters). Save with yashard.save_checkpoint(path, "
+        "model, optimizer) and restore with yashard.load_checkpoint (crash-safe; loads at any world size), "
+        + _FULL_TENSORS
     )
 
 
 def _refuse_load_state_dict(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                             error_msgs):
     raise RuntimeError(
-        "load_state_dict() into a yashard-sharded model: its parameters are flat per-rank shards. "
-        + _STATE_DICT_ALTERNATIVES.replace("Save with yashard.save_checkpoint(path, model, optimizer) and restore "
-                                           "with yashard.load_checkpoint", "Restore a yashard.save_checkpoint "
-                                           "checkpoint with yashard.load_checkpoint")
-        + "; to start from full HF weights, shard with yashard.shard(model, weights=folder) or yashard.from_pretrained"
+        "load_state_dict() into a yashard-sharded model: its parameters are flat per-rank shards. Restore a "
+        "yashard.save_checkpoint checkpoint with yashard.load_checkpoint (crash-safe; loads at any world size), "
+        + _FULL_TENSORS + "; to start from full HF weights, shard with yashard.shard(model, weights=folder) or "
+        "yashard.from_pretrained"
     )
 
 
@@ -96,6 +94,7 @@ def _answer_device_and_dtype(module: nn.Module, device: torch.device, dtype: tor
     cls = type(module)
     if not isinstance(getattr(cls, "device", None), property):
         return  # not an HF model: nothing reads these
+
     def _apply(self, fn, recurse=True):
         _check_conversion(fn, self.__dict__["_yashard_device"])
         return cls._apply(self, fn, recurse)

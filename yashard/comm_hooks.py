@@ -169,7 +169,8 @@ class QgzState:
     fewer elements sits closer to the typical gradient. Rounding to nearest zeroes elements below
     half a step, so a parameter with small gradients sharing a large block with large ones loses
     them: with int8 blocks of 4096, a tiny Llama's q/k projections at init came out with relative
-    errors above 1 (tests/test_comm.py), with 256 every parameter stays within 10%. ``rounding``: ``"stochastic"`` rounds each gradient element up or down with the
+    errors above 1 (tests/test_comm.py), with 256 every parameter stays within 10%.
+    ``rounding``: ``"stochastic"`` rounds each gradient element up or down with the
     probabilities that make the quantized value unbiased (a fresh draw per call and rank, from
     ``seed``: reproducible); ``"nearest"`` rounds to nearest, which zeroes every element below half a
     step, a bias that grows with the block. ``"auto"`` (default): stochastic for int4, nearest for

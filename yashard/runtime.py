@@ -7,6 +7,7 @@ stated in :mod:`yashard.events`; the checks run around optimizer steps are in :m
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import logging
@@ -243,9 +244,7 @@ class Runtime:
         for a, b in zip(order, order[1:] + [None]):
             a.next_forward = b
         self.norm_group = NormGroup(self.small) if self.small else None
-        sharing = {}
-        for u in self.units:
-            sharing[u.slot.name] = sharing.get(u.slot.name, 0) + 1
+        sharing = collections.Counter(u.slot.name for u in self.units)
         for i, u in enumerate(self.units):
             u.order = i
             # Views of a unit whose slot other units reuse come off once nothing reads them any more:

@@ -65,11 +65,15 @@ def train_segment(rank: int, world: int, s: dict) -> dict:
     return out
 
 
+EXPORT_LIMIT = 40_000  # bytes: the tiny models' fp32 exports span several files, some across units
+
+
 def export(sm, s: dict) -> dict:
-    """Export bf16, and fp32 over the export of the initial weights (the swap); the sharded model's logits."""
+    """Export bf16 (one file), and fp32 in files of at most EXPORT_LIMIT bytes over the export of the
+    initial weights (the swap); the sharded model's logits."""
     path = s["export"]
     yashard.export_hf(sm, path + "-bf16", dtype=torch.bfloat16)
-    yashard.export_hf(sm, path)
+    yashard.export_hf(sm, path, max_shard_size=EXPORT_LIMIT)
     sm.eval()
     g = torch.Generator().manual_seed(s["logits_seed"])
     x = torch.randint(0, sm.config.vocab_size, (2, s["seq"]), generator=g)

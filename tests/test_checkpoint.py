@@ -21,14 +21,14 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import yashard
-from ckpt_workers import run_segments, save_then_killed_save, segment
+from ckpt_workers import EXPORT_LIMIT, run_segments, save_then_killed_save, segment
 from harness import run_distributed as launch, run_until_exit
 from models import batches, build
 from workers import rel_err
 from yashard._io import StreamedSafetensors, exchange_dirs, sniff_foreign_format
 from yashard.checkpoint import (CheckpointError, _plan_reads, check_extra, coverage_problem, decode_value,
                                 describe_params, encode_value, overlaps, params_diff)
-from yashard.hf_export import stored_names
+from yashard.hf_export import parse_size, plan_files, stored_names
 from yashard.layout import build_layout, shard_pieces
 
 FAMILIES = {
@@ -180,6 +180,28 @@ def test_stored_names_keep_the_input_embedding():
         ["model.embed_tokens.weight"]
 
 
+def test_export_files_are_packed_up_to_the_limit():
+    assert plan_files([4, 4, 4], 8) == [0, 0, 1]
+    assert plan_files([4, 4, 4], 12) == [0, 0, 0]
+    assert plan_files([3, 20, 3, 3], 8) == [0, 1, 2, 2]     # a tensor over the limit: a file of its own
+    assert plan_files([20], 8) == [0]
+    assert plan_files([0, 8, 0, 1], 8) == [0, 0, 0, 1]
+
+
+def test_export_size_strings():
+    assert parse_size(1234) == 1234
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("50gb") == 50 * 10**9
+    assert parse_size("2GiB") == 2 * 2**30 and parse_size("500 MiB") == 500 * 2**20
+    assert parse_size("1.5MB") == 1_500_000 and parse_size("64KB") == 64_000 and parse_size("7") == 7
+    for bad in ("5 gigabytes", "GB", "-1GB", ""):
+        with pytest.raises(ValueError, match=r"max_shard_size=.* is not a size; write bytes as an int or a string like"):
+            parse_size(bad)
+    with pytest.raises(ValueError, match=r"max_shard_size=0 must be positive"):
+        parse_size(0)
+    with pytest.raises(TypeError, match=r"max_shard_size must be an int \(bytes\) or a string like '5GB', got float"):
+        parse_size(5e9)
+
+
 # ------------------------------------------------------------------------------------------------
 # Multi-process: resume, reshard, export
 
@@ -259,11 +281,20 @@ def test_export_loads_with_from_pretrained(straight, tmp_path):
         path = Path(s["export"])
         index = json.loads((path / "model.safetensors.index.json").read_text())
         files = sorted(set(index["weight_map"].values()))
-        assert files == [f"model-{i:05d}-of-{len(files):05d}.safetensors" for i in range(1, len(files) + 1)]
-        stored = {}
+        assert len(files) > 2 and files == [f"model-{i:05d}-of-{len(files):05d}.safetensors"
+                                            for i in range(1, len(files) + 1)]
+        assert sorted(p.name for p in path.glob("*.safetensors")) == files
+        stored, layers_in = {}, []
         for f in files:
-            stored.update(load_file(str(path / f)))
+            part = load_file(str(path / f))
+            nbytes = sum(t.numel() * t.element_size() for t in part.values())
+            assert nbytes <= EXPORT_LIMIT or len(part) == 1, (f, nbytes)   # only a lone tensor may exceed it
+            layers_in.append({k.split(".")[2] for k in part if k.startswith("model.layers.")})
+            stored.update(part)
+        assert any(len(names) > 1 for names in layers_in)   # files are packed across unit boundaries
+        assert index["metadata"]["total_size"] == sum(t.numel() * 4 for t in stored.values())
         assert set(stored) == set(index["weight_map"])
+        assert all(index["weight_map"][k] == f for f in files for k in load_file(str(path / f)))
         params = res["params"]
         if name == "llama_tied":
             assert "lm_head.weight" not in stored and "lm_head.weight" in params
@@ -271,10 +302,9 @@ def test_export_loads_with_from_pretrained(straight, tmp_path):
             assert set(stored) == set(params)
         assert all(torch.equal(stored[k], params[k]) for k in stored)   # the trained weights, bitwise
         # bf16 export: every tensor is the fp32 weight rounded to bf16, and the config says so
-        bf = Path(s["export"] + "-bf16")
-        bf_stored = {}
-        for f in bf.glob("model-*.safetensors"):
-            bf_stored.update(load_file(str(f)))
+        bf = Path(s["export"] + "-bf16")   # under the default max_shard_size: one file, no index, as HF writes it
+        assert sorted(p.name for p in bf.iterdir() if "safetensors" in p.name) == ["model.safetensors"]
+        bf_stored = load_file(str(bf / "model.safetensors"))
         assert set(bf_stored) == set(stored)
         assert all(torch.equal(bf_stored[k], stored[k].bfloat16()) for k in stored)
         assert json.loads((bf / "config.json").read_text())["dtype"] == "bfloat16"

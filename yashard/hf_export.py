@@ -6,8 +6,12 @@ The folder ``from_pretrained`` reads::
       config.json                          model.config.save_pretrained (dtype set to the export dtype)
       generation_config.json               when the model has one
       model.safetensors.index.json         {"metadata": {"total_size": bytes}, "weight_map": {name: file}}
-      model-00001-of-000NN.safetensors     one file per unit: embedding, each decoder layer, lm_head,
-      ...                                  the norm group
+      model-00001-of-000NN.safetensors     the tensors in unit order (embedding, decoder layers, lm_head,
+      ...                                  norm group), packed into files of at most ``max_shard_size``
+
+or, as ``save_pretrained`` writes it, a single ``model.safetensors`` and no index when everything
+fits in one file. Which tensor goes to which file is planned before anything is gathered
+(:func:`plan_files`): every size is known from the layouts.
 
 Streaming: for each unit every rank joins one all-gather of the unit's flat vector into a temporary
 buffer and rank 0 writes that unit's tensors (cast to ``dtype``) to its file, so the extra memory is
@@ -28,6 +32,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import secrets
 import shutil
 from pathlib import Path
@@ -38,7 +43,40 @@ from ._io import StreamedSafetensors, exchange_dirs, fsync_dir, fsync_file
 from .checkpoint import CheckpointError, _agree, _runtime
 
 WEIGHTS_INDEX = "model.safetensors.index.json"
+WEIGHTS_SINGLE = "model.safetensors"
+DEFAULT_MAX_SHARD_SIZE = "50GB"   # transformers 5's save_pretrained default
 _EXPORT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes in ``size``: an int, or a string such as ``"5GB"`` (10**9 bytes) or ``"500MiB"`` (2**20)."""
+    if isinstance(size, bool) or not isinstance(size, (int, str)):
+        raise TypeError(f"max_shard_size must be an int (bytes) or a string like '5GB', got {type(size).__name__}")
+    if isinstance(size, int):
+        n = size
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)?\s*", size.lower())
+        if m is None:
+            raise ValueError(f"max_shard_size={size!r} is not a size; write bytes as an int or a string like "
+                             "'5GB', '500MB' or '2GiB'")
+        n = int(float(m.group(1)) * _UNITS[m.group(2) or ""])
+    if n <= 0:
+        raise ValueError(f"max_shard_size={size!r} must be positive")
+    return n
+
+
+def plan_files(nbytes: list[int], limit: int) -> list[int]:
+    """The file (0-based) of each tensor, in order: a file takes tensors until the next would take
+    it past ``limit`` bytes; a tensor larger than ``limit`` gets a file of its own."""
+    out, f, used = [], 0, 0
+    for n in nbytes:
+        if used and used + n > limit:
+            f, used = f + 1, 0
+        out.append(f)
+        used += n
+    return out
 
 
 def export_file_name(i: int, n: int) -> str:
@@ -101,21 +139,25 @@ def _publish(tmp: Path, dest: Path) -> None:
     fsync_dir(dest.parent)
 
 
-def export_hf(model, path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> Path:
+def export_hf(model, path: str | os.PathLike, *, dtype: torch.dtype | None = None,
+              max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> Path:
     """Write ``model``'s full weights as a HuggingFace folder that ``from_pretrained(path)`` loads.
 
     Collective: every rank calls it; rank 0 writes. Streamed unit by unit (peak extra memory: one
-    unit's gathered flat vector), in HF's sharded format (one ``model-0000i-of-0000N.safetensors``
-    per unit plus ``model.safetensors.index.json`` and ``config.json``). Tied embeddings are stored
-    once, under the input embedding's name. ``dtype`` (float32 by default, or bfloat16 / float16)
-    casts every tensor and is written to the config. Atomic (module docstring): ``path`` holds
-    either the previous folder or the complete new one. Returns ``path``.
+    unit's gathered flat vector), in HF's format: ``model.safetensors``, or, when the weights take
+    more than ``max_shard_size`` (bytes, or a string like ``"5GB"``; default ``"50GB"`` as in
+    ``save_pretrained``), ``model-0000i-of-0000N.safetensors`` files plus
+    ``model.safetensors.index.json``; and ``config.json``. Tied embeddings are stored once, under the
+    input embedding's name. ``dtype`` (float32 by default, or bfloat16 / float16) casts every tensor
+    and is written to the config. Atomic (module docstring): ``path`` holds either the previous
+    folder or the complete new one. Returns ``path``.
     """
     rt = _runtime(model, "export_hf")
     comm = rt.comm
     dtype = torch.float32 if dtype is None else dtype
     if dtype not in _EXPORT_DTYPES:
         raise ValueError(f"export_hf dtype={dtype} is not supported; use torch.float32, torch.bfloat16 or torch.float16")
+    limit = parse_size(max_shard_size)
     hf = rt.model
     dest = Path(path)
     err, tmp = None, None
@@ -128,39 +170,59 @@ def export_hf(model, path: str | os.PathLike, *, dtype: torch.dtype | None = Non
 
     units = rt.units
     emb = _input_embedding_name(hf)
-    n = len(units)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    # (layout entry, stored name) of every tensor in unit order, and the file each goes to
+    tensors = [(e, nm) for u in units for nm, e in zip(stored_names(u.fqns, emb), u.layout.entries)]
+    file_of = plan_files([e.numel * itemsize for e, _ in tensors], limit)
+    n_files = file_of[-1] + 1
+    fnames = [WEIGHTS_SINGLE] if n_files == 1 else [export_file_name(i + 1, n_files) for i in range(n_files)]
+    specs: list[list] = [[] for _ in range(n_files)]
+    for (e, nm), f in zip(tensors, file_of):
+        specs[f].append((nm, dtype, e.shape))
     weight_map: dict[str, str] = {}
     total = 0
     err = None
+    writer, at = None, 0   # the open file and the position of the next tensor in ``tensors``
     with torch.no_grad():
-        for i, u in enumerate(units):
+        for u in units:
             flat = torch.empty(u.layout.padded, dtype=torch.float32, device=u.master.device)
             comm.wait(comm.all_gather(flat, u.master.detach().contiguous(), u.name), f"all_gather of {u.name} (export_hf)", host=True)
+            mine = range(at, at + len(u.layout.entries))
+            at = mine.stop
             if comm.rank != 0 or err is not None:
                 continue  # keep joining the gathers: every rank issues the same collectives
-            writer = None
             try:
-                fname = export_file_name(i + 1, n)
-                names = stored_names(u.fqns, emb)
-                writer = StreamedSafetensors(tmp / fname, [(nm, dtype, e.shape) for nm, e in zip(names, u.layout.entries)],
-                                             metadata={"format": "pt"})
-                for nm, e in zip(names, u.layout.entries):
+                for i in mine:
+                    e, nm = tensors[i]
+                    f = file_of[i]
+                    if writer is None or writer.path.name != fnames[f]:
+                        if writer is not None:
+                            writer.close()
+                            writer = None  # closed: nothing to abort if opening the next one fails
+                        writer = StreamedSafetensors(tmp / fnames[f], specs[f], metadata={"format": "pt"})
                     writer.write(nm, flat[e.offset:e.end].view(e.shape).to(dtype))
-                    weight_map[nm] = fname
-                    total += e.numel * flat.new_empty((), dtype=dtype).element_size()
-                writer.close()
+                    weight_map[nm] = fnames[f]
+                    total += e.numel * itemsize
             except Exception as e:  # noqa: BLE001
                 err = e
                 if writer is not None:
                     writer.abort()
+                writer = None
             del flat
+    if writer is not None and err is None:
+        try:
+            writer.close()
+        except Exception as e:  # noqa: BLE001
+            err = e
+            writer.abort()
     try:
         if comm.rank == 0 and err is None:
-            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-            with open(tmp / WEIGHTS_INDEX, "w", encoding="utf-8") as f:
-                json.dump(index, f, indent=2)
-                f.flush()
-                os.fsync(f.fileno())
+            if n_files > 1:
+                index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+                with open(tmp / WEIGHTS_INDEX, "w", encoding="utf-8") as f:
+                    json.dump(index, f, indent=2)
+                    f.flush()
+                    os.fsync(f.fileno())
             cfg = copy.deepcopy(hf.config)
             cfg.dtype = dtype
             cfg.architectures = [type(hf).__name__]

@@ -238,6 +238,13 @@ def build_datasets(data: str | None, tok, seq_len: int, eval_fraction: float = 0
     else:
         docs, name = text_file_documents(data, max_bytes), data
     train, held = split_train_eval(tokenize_documents(docs, tok), eval_fraction)
+    for part, n in (("training", train.numel()), ("held-out", held.numel())):
+        if n < seq_len:
+            raise ValueError(
+                f"--seq-len {seq_len} is longer than the {part} text of {name} ({n:,} tokens; --eval-fraction "
+                f"{eval_fraction} of {train.numel() + held.numel():,} is held out): lower --seq-len, or give more text "
+                "(--max-bytes, a larger --data file)" + (" or hold out more (--eval-fraction)" if part == "held-out" else "")
+            )
     return (TokenStream(train, seq_len), TokenStream(held, seq_len),
             f"LM {name}: {train.numel():,} train / {held.numel():,} held-out tokens")
 

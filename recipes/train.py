@@ -38,7 +38,7 @@ import yashard
 from data import EVAL_STREAM, build_datasets, load_tokenizer, micro_batches, rank_slice
 from schedule import lr_at
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # fp16: with loss scaling
 
 # Llama shapes for random-init models (--model-size). Parameter counts with the 259-id byte
 # tokenizer; a real tokenizer adds 2 * vocab * hidden (untied embedding and lm_head).
@@ -69,7 +69,7 @@ class TrainConfig:
     min_lr_ratio: float = field(default=0.1, metadata={"help": "cosine decays to min_lr_ratio * lr"})
     weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay (matrices only)"})
     clip: float = field(default=1.0, metadata={"help": "global grad-norm clip (<= 0: no clipping)"})
-    param_dtype: str = field(default="fp32", metadata={"help": "compute dtype", "choices": tuple(DTYPES)})
+    param_dtype: str = field(default="fp32", metadata={"help": "compute dtype (fp16: with dynamic loss scaling)", "choices": tuple(DTYPES)})
     checkpoint_layers: int = field(default=0, metadata={"help": "decoder layers with activation checkpointing"})
     reshard_after_forward: bool = field(default=True, metadata={"help": "false: every unit keeps its own buffers (the model's size per rank), gathered once per step; accumulation reduces once per step (no_sync)"})
     eval_every: int = field(default=10, metadata={"help": "eval every N steps (<= 0: only at the end)"})
@@ -228,6 +228,16 @@ def build_model(cfg: TrainConfig, tok):
     return AutoModelForCausalLM.from_config(preset_config(size, tok, cfg.seq_len)).float()
 
 
+def position_warning(hf_config, seq_len: int) -> str | None:
+    """The warning for sequences longer than the positions the model was built for, if they are."""
+    positions = getattr(hf_config, "max_position_embeddings", None)
+    if positions is None or seq_len <= positions:
+        return None
+    return (f"WARNING: --seq-len {seq_len} is longer than the model's max_position_embeddings {positions}: "
+            "positions past it were never trained. Lower --seq-len, or extend the context in the model's config "
+            "(rope_scaling) first")
+
+
 def describe_model(cfg: TrainConfig) -> str:
     if getattr(cfg, "model", None) is not None:
         return cfg.model
@@ -254,6 +264,7 @@ class Session:
     hf_model: torch.nn.Module
     model: yashard.ShardedModel
     opt: torch.optim.Optimizer
+    scaler: yashard.ShardedGradScaler   # enabled with --param-dtype fp16, else a no-op
     out_dir: Path
     global_batch: int
     tokens_per_step: int
@@ -282,6 +293,9 @@ def setup(cfg: TrainConfig) -> Session:
 
     hf_model = build_model(cfg, tok)
     n_params = sum(p.numel() for p in hf_model.parameters())
+    warning = position_warning(hf_model.config, cfg.seq_len)
+    if is_main and warning:
+        print(warning)
     model = yashard.shard(hf_model, weights=model_path, config=yashard.ShardConfig(
         param_dtype=DTYPES[cfg.param_dtype], reduce_dtype=torch.float32,
         checkpoint_layers=cfg.checkpoint_layers, reshard_after_forward=cfg.reshard_after_forward))
@@ -289,6 +303,8 @@ def setup(cfg: TrainConfig) -> Session:
     # CPU, makes two shard-sized ones and ran 6-9x slower on a 60 MiB shard; docs/benchmarks.md)
     opt = torch.optim.AdamW(model.param_groups(weight_decay=cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95),
                             fused=True)
+    # fp16 gradients underflow without loss scaling; the sharded scaler skips a step on every rank alike
+    scaler = yashard.ShardedGradScaler(model, enabled=cfg.param_dtype == "fp16")
 
     # Each optimizer step consumes one global batch of micro_batch * accum_steps * world_size
     # sequences; this rank takes micro_batch * accum_steps of them, in accum_steps micro-batches.
@@ -306,6 +322,8 @@ def setup(cfg: TrainConfig) -> Session:
     if cfg.resume and (ckpt / "LATEST").exists():
         extra = yashard.load_checkpoint(ckpt, model, opt)
         start_step = extra["step"]
+        if scaler.is_enabled() and "grad_scaler" in extra:
+            scaler.load_state_dict(extra["grad_scaler"])
         if is_main:
             print(f"resumed from {ckpt} after step {start_step}")
             _truncate_log(out_dir / "log.jsonl", start_step)
@@ -329,7 +347,7 @@ def setup(cfg: TrainConfig) -> Session:
         print(f"world size {world_size} on {device}, param dtype {cfg.param_dtype}, global batch "
               f"{global_batch} x {cfg.seq_len} = {tokens_per_step:,} tokens/step")
         print(model.memory_plan())
-    return Session(cfg, rank, world_size, device, tok, train_data, held_out, hf_model, model, opt,
+    return Session(cfg, rank, world_size, device, tok, train_data, held_out, hf_model, model, opt, scaler,
                    out_dir, global_batch, tokens_per_step, start_step)
 
 
@@ -405,12 +423,14 @@ def train_loop(s: Session, profiler=None) -> list[dict]:
                 with record_function("yashard::forward"):
                     out = s.model(**_to(micro, device), use_cache=False)
                 with record_function("yashard::backward"):
-                    (out.loss / cfg.accum_steps).backward()
+                    s.scaler.scale(out.loss / cfg.accum_steps).backward()
             loss_sum += out.loss.detach().float()
         with record_function("yashard::clip_grad_norm"):
+            s.scaler.unscale_(s.opt)  # (a no-op unless fp16)
             grad_norm = s.model.clip_grad_norm_(max_norm)
         with record_function("yashard::optimizer_step"):
-            s.opt.step()
+            s.scaler.step(s.opt)      # fp16: skipped on every rank if a gradient is not finite
+            s.scaler.update()
             s.opt.zero_grad(set_to_none=True)
         with record_function("yashard::loss_all_reduce"):
             # Mean loss over all ranks' micro-batches (SUM then divide: gloo has no AVG).
@@ -423,8 +443,10 @@ def train_loop(s: Session, profiler=None) -> list[dict]:
         stop = step + 1 == (cfg.stop_at or cfg.steps)
         if cfg.save_every > 0 and ((step + 1) % cfg.save_every == 0 or stop):
             with record_function("yashard::save_checkpoint"):
-                yashard.save_checkpoint(s.out_dir / "checkpoint", s.model, s.opt,
-                                        extra={"step": step + 1, "global_batch": s.global_batch})
+                extra = {"step": step + 1, "global_batch": s.global_batch}
+                if s.scaler.is_enabled():
+                    extra["grad_scaler"] = s.scaler.state_dict()
+                yashard.save_checkpoint(s.out_dir / "checkpoint", s.model, s.opt, extra=extra)
 
         record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": float(grad_norm),
                   "tokens_per_s": s.tokens_per_step / dt, "elapsed": train_time}

@@ -214,3 +214,44 @@ def default_backend_step(rank, world):
     losses = [_step(sm, opt, rank, world, s) for s in range(2)]
     return dict(get_backend=str(dist.get_backend()), backend=sm.runtime.comm.backend,
                 device=str(sm.runtime.device), losses=losses)
+
+
+def scaler_steps(rank, world, kind, fused, poison_steps=(0,), steps=2, dtype=torch.float16, cfg=None):
+    """fp16 training with loss scaling (``kind``: "sharded" = yashard.ShardedGradScaler, "plain" =
+    torch.amp.GradScaler, None = no scaler, for the fp32 run); at the steps in ``poison_steps`` rank 0
+    alone puts an inf into its shard of the first layer's gradient. Per step: did this rank's masters
+    change, the scale after update(), the loss. ``cfg``: more ShardConfig fields."""
+    sm = yashard.shard(build(num_hidden_layers=4), config=yashard.ShardConfig(param_dtype=dtype, **(cfg or {})))
+    opt = torch.optim.AdamW(sm.param_groups(0.1), lr=1e-3, fused=fused)
+    scaler = {"sharded": lambda: yashard.ShardedGradScaler(sm, init_scale=1024.0),
+              "plain": lambda: torch.amp.GradScaler("cpu", init_scale=1024.0),
+              None: lambda: None}[kind]()
+    out = []
+    for step in range(steps):
+        ids = batches(step + 1, 2 * world, 8, 96)[step].chunk(world)[rank]
+        loss = sm(input_ids=ids, labels=ids).loss
+        (scaler.scale(loss) if scaler else loss).backward()
+        if step in poison_steps and rank == 0:
+            sm.runtime.layers[0].master.grad[0] = float("inf")
+        before = [u.master.detach().clone() for u in sm.runtime.units]
+        if scaler:
+            scaler.unscale_(opt)
+        sm.clip_grad_norm_(1.0)
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad()
+        stepped = any(not torch.equal(b, u.master) for b, u in zip(before, sm.runtime.units))
+        out.append((stepped, scaler.get_scale() if scaler else None, loss.item()))
+    return out
+
+
+def fp16_nonfinite_without_scaler(rank, world):
+    """The error an inf gradient raises in an fp16 run without loss scaling."""
+    try:
+        scaler_steps(rank, world, None, False, (0,), 1)
+    except yashard.NonFiniteError as e:
+        return str(e)
+    return None

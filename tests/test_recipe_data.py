@@ -130,6 +130,20 @@ def test_build_datasets_from_files(tmp_path):
     assert torch.all(batch["input_ids"][~masked] == batch["labels"][~masked])
 
 
+def test_sequences_longer_than_the_text_are_refused_naming_the_fixes(tmp_path):
+    tok = data.ByteTokenizer()
+    txt = tmp_path / "corpus.txt"
+    txt.write_text("hello world\n" * 200)   # 2402 tokens: 2162 train, 240 held out
+    data.build_datasets(str(txt), tok, seq_len=240, eval_fraction=0.1)
+    with pytest.raises(ValueError, match=r"--seq-len 241 is longer than the held-out text of .*corpus\.txt \(240 tokens; "
+                                         r"--eval-fraction 0\.1 of 2,402 is held out\): lower --seq-len, or give more "
+                                         r"text \(--max-bytes, a larger --data file\) or hold out more \(--eval-fraction\)"):
+        data.build_datasets(str(txt), tok, seq_len=241, eval_fraction=0.1)
+    with pytest.raises(ValueError, match=r"--seq-len 5000 is longer than the training text .*\(2,162 tokens;.*a larger "
+                                         r"--data file\)$"):
+        data.build_datasets(str(txt), tok, seq_len=5000, eval_fraction=0.1)
+
+
 def test_lr_schedule_shape():
     kw = dict(lr=1e-3, warmup_steps=5, total_steps=50, min_lr_ratio=0.1)
     lrs = [lr_at(s, **kw) for s in range(50)]

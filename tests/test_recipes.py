@@ -430,6 +430,14 @@ def test_model_source_errors(tmp_path):
         train.build_model(finetune.FinetuneConfig(model=str(tmp_path)), tok)
 
 
+def test_sequences_longer_than_the_models_positions_warn():
+    cfg = train.preset_config("tiny", data.ByteTokenizer(), seq_len=128)
+    assert cfg.max_position_embeddings == 256 and train.position_warning(cfg, 256) is None
+    assert train.position_warning(cfg, 257) == (
+        "WARNING: --seq-len 257 is longer than the model's max_position_embeddings 256: positions past it were "
+        "never trained. Lower --seq-len, or extend the context in the model's config (rope_scaling) first")
+
+
 def test_model_size_presets():
     tok = data.ByteTokenizer()
     cfg = train.preset_config("small", tok, seq_len=512)
@@ -498,6 +506,28 @@ def test_resume_with_another_global_batch_and_a_fresh_run_over_a_checkpoint_warn
     stdout = run_recipe("pretrain.py", *args, "--micro-batch", "2", "--stop-at", "1")
     assert re.search(r"WARNING: .*checkpoint holds a checkpoint and this run starts at step 0 without --resume true",
                      stdout), stdout
+
+
+def test_fp16_run_scales_the_loss_and_resumes_the_scaler(tmp_path):
+    """--param-dtype fp16 trains with ShardedGradScaler; its state is checkpointed, so a run stopped
+    and resumed logs bitwise what the uninterrupted one logs and ends with the same scaler state
+    (this config overflows at the initial scale: the runs skip a step and back off)."""
+    (tmp_path / "config.json").write_text(json.dumps(TINY_CONFIG))
+
+    def run(out, *more):
+        run_recipe("pretrain.py", "--config", str(tmp_path / "config.json"), "--steps", "4", "--eval-every", "0",
+                   "--out-dir", str(out), "--seq-len", "64", "--max-bytes", "300000", "--save-every", "1",
+                   "--param-dtype", "fp16", *more)
+        latest = (out / "checkpoint" / "LATEST").read_text().strip()
+        extra = json.loads((out / "checkpoint" / latest / "index.json").read_text())["extra"]
+        return extra["grad_scaler"], [r["loss"] for r in read_log(out / "log.jsonl")]
+
+    whole, whole_losses = run(tmp_path / "whole")
+    assert whole["scale"] < 65536.0 and whole["_growth_tracker"] < 4   # a step was skipped
+    assert len(whole_losses) == 4 and all(math.isfinite(x) for x in whole_losses) and whole_losses[-1] < whole_losses[0]
+    run(tmp_path / "cut", "--stop-at", "2")
+    resumed, resumed_losses = run(tmp_path / "cut", "--resume", "true")
+    assert resumed == whole and resumed_losses == whole_losses
 
 
 @pytest.mark.parametrize("path,message", [("corpus.csv", r"--data .*corpus\.csv: unsupported file type; pass a \.txt"),

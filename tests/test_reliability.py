@@ -13,9 +13,9 @@ import torch
 import yashard
 
 from harness import run_distributed, run_until_exit
-from reliability_workers import (default_backend_step, die_or_stall, guard_run, lm_head_too_early, nonfinite,
-                                 nonfinite_skip_then_train, optimizer_before_shard, prefetch_after_step, uneven_layers,
-                                 uneven_micro_batches)
+from reliability_workers import (default_backend_step, die_or_stall, fp16_nonfinite_without_scaler, guard_run,
+                                 lm_head_too_early, nonfinite, nonfinite_skip_then_train, optimizer_before_shard,
+                                 prefetch_after_step, scaler_steps, uneven_layers, uneven_micro_batches)
 
 
 @pytest.mark.parametrize("where,clip,accum", [("forward", True, 1), ("grad", True, 1), ("grad", False, 1),
@@ -161,3 +161,42 @@ def test_a_group_initialised_without_a_backend():
     for res in results:
         assert res["get_backend"] == "undefined" and "gloo" in res["backend"] and res["device"] == "cpu"
     assert all(math.isfinite(loss) for res in results for loss in res["losses"])
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_sharded_grad_scaler_makes_every_rank_skip_an_inf_that_one_rank_saw(fused):
+    # rank 0 alone has an inf in its gradient shard at step 0: both ranks skip it and halve the scale,
+    # then both step at 1. (With a fused AdamW the optimizer skips inside step(), after the step
+    # checks ran: on_nonfinite='raise' is left to the scaler.)
+    # (a scaler that let the ranks disagree would leave one rank waiting in the step checks: bounded)
+    for rank_out in run_distributed(scaler_steps, 2, "sharded", fused, (0,), 2, torch.float16, {"collective_timeout": 20}):
+        assert [(stepped, scale) for stepped, scale, _ in rank_out] == [(False, 512.0), (True, 512.0)]
+
+
+def test_a_plain_grad_scaler_lets_the_ranks_step_apart():
+    """The control: torch.amp.GradScaler decides per rank, so rank 1 steps where rank 0 skips (with
+    the step checks on, rank 1 would then wait in a collective rank 0 never joins)."""
+    r0, r1 = run_distributed(scaler_steps, 2, "plain", False, (0,), 1, torch.float16,
+                             {"on_nonfinite": "ignore"})
+    assert r0[0][:2] == (False, 512.0) and r1[0][:2] == (True, 1024.0)
+
+
+def test_fp16_training_with_the_sharded_scaler_follows_fp32():
+    fp16 = run_distributed(scaler_steps, 2, "sharded", False, (), 5)
+    fp32 = run_distributed(scaler_steps, 2, None, False, (), 5, torch.float32)
+    for a, b in zip(fp16, fp32):
+        assert all(stepped for stepped, _, _ in a) and [s for _, s, _ in a] == [1024.0] * 5
+        la, lb = [x[2] for x in a], [x[2] for x in b]
+        assert la != lb and max(abs(x - y) / y for x, y in zip(la, lb)) < 1e-2, (la, lb)
+
+
+def test_sharded_grad_scaler_needs_the_sharded_model():
+    with pytest.raises(TypeError, match=r"ShardedGradScaler expects the ShardedModel returned by yashard\.shard, got Linear"):
+        yashard.ShardedGradScaler(torch.nn.Linear(2, 2))
+
+
+def test_an_fp16_run_without_loss_scaling_is_pointed_at_the_scaler():
+    for msg in run_distributed(fp16_nonfinite_without_scaler, 2):
+        assert msg is not None and msg.endswith(
+            "; with param_dtype=float16, scale the loss with yashard.ShardedGradScaler (it skips such steps on every "
+            "rank and lowers the scale)"), msg

@@ -4,6 +4,7 @@ from .api import ShardedModel, from_pretrained, shard
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .collectives import CollectiveError
 from .config import ShardConfig
+from .grad_scaler import ShardedGradScaler
 from .guards import CollectiveOrderError, NonFiniteError
 from .hf_export import export_hf
 from .memory import MemoryPlan
@@ -11,5 +12,5 @@ from .runtime import OrderError
 
 __all__ = ["shard", "from_pretrained", "ShardConfig", "ShardedModel", "MemoryPlan", "OrderError",
            "save_checkpoint", "load_checkpoint", "export_hf", "CheckpointError", "CollectiveError",
-           "CollectiveOrderError", "NonFiniteError"]
+           "CollectiveOrderError", "NonFiniteError", "ShardedGradScaler"]
 __version__ = "0.1.0"

@@ -66,7 +66,8 @@ class ShardConfig:
             optimizer skips the step: every master gradient is set to None), or ``"ignore"``. The
             check costs one small all-gather per step, which the host waits for (on CUDA the host
             then stops queuing kernels ahead of the GPU once per step; ``"ignore"`` with
-            ``debug_collectives=False`` removes the wait).
+            ``debug_collectives=False`` removes the wait). While a :class:`yashard.ShardedGradScaler`
+            of the model exists, it handles non-finite gradients instead (fp16 loss scaling).
         debug_collectives: before every optimizer step, compare every rank's sequence of
             collectives (op, layer, size) since the last step, by hash, and raise
             :class:`yashard.CollectiveOrderError` at the first divergence. Off by default; cheap on.

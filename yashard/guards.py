@@ -105,11 +105,15 @@ def step_checks(rt) -> None:
     (``on_nonfinite``) and the collective-order comparison (``debug_collectives``), with one
     small all-gather over the data-parallel group."""
     cfg, comm = rt.config, rt.comm
-    if cfg.on_nonfinite == "ignore" and not cfg.debug_collectives:
+    # A ShardedGradScaler owns non-finite gradients: it skips such steps on every rank itself.
+    scaler = rt.grad_scaler() if rt.grad_scaler is not None else None
+    on_nonfinite = "ignore" if scaler is not None else cfg.on_nonfinite
+    if on_nonfinite == "ignore" and not cfg.debug_collectives:
+        rt.fwd_nonfinite.zero_()
         return
     n = len(rt.units)
     log = comm.log
-    bad_grads = ~rt.grads_finite() if cfg.on_nonfinite != "ignore" else torch.zeros_like(rt.fwd_nonfinite)
+    bad_grads = ~rt.grads_finite() if on_nonfinite != "ignore" else torch.zeros_like(rt.fwd_nonfinite)
     local = torch.cat([rt.fwd_nonfinite.long(), bad_grads.long(),
                        torch.tensor([log.crc, len(log.sequence)], device=rt.device)])
     every = comm.all_gather_tensor(local, "step checks (before the optimizer step)").cpu()
@@ -118,11 +122,13 @@ def step_checks(rt) -> None:
         if not (every[:, 2 * n:] == every[0, 2 * n:]).all():
             _raise_divergence(rt)
         log.reset_sequence()
-    if cfg.on_nonfinite == "ignore" or not every[:, : 2 * n].any():
+    if on_nonfinite == "ignore" or not every[:, : 2 * n].any():
         return
     message = _nonfinite_message(rt, every[:, :n].bool(), every[:, n: 2 * n].bool())
-    if cfg.on_nonfinite == "raise":
-        raise NonFiniteError(message + "; ShardConfig(on_nonfinite='skip') skips such steps instead")
+    if on_nonfinite == "raise":
+        hint = ("; with param_dtype=float16, scale the loss with yashard.ShardedGradScaler (it skips such steps "
+                "on every rank and lowers the scale)" if cfg.param_dtype == torch.float16 else "")
+        raise NonFiniteError(message + "; ShardConfig(on_nonfinite='skip') skips such steps instead" + hint)
     rt.skipped_steps += 1
     for u in rt.units:  # the optimizer skips parameters without gradients: a true skip
         u.master.grad = None

@@ -255,6 +255,7 @@ class Runtime:
         self.fwd_nonfinite = torch.zeros(len(self.units), dtype=torch.bool, device=self.device)
         self._clip_finite = None  # (per-unit 'gradient is finite' flags, the grads' versions) of the last clip
         self.skipped_steps = 0
+        self.grad_scaler = None   # weakref to a ShardedGradScaler, which then owns non-finite gradients
         guards.track(self, removed)  # weak references: the removed parameters are freed as usual
         self.model.to(self.device)  # moves the remaining buffers (rotary tables, ...)
 

@@ -448,7 +448,8 @@ def train_loop(s: Session, profiler=None) -> list[dict]:
                     extra["grad_scaler"] = s.scaler.state_dict()
                 yashard.save_checkpoint(s.out_dir / "checkpoint", s.model, s.opt, extra=extra)
 
-        record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": float(grad_norm),
+        norm = float(grad_norm)   # not finite: a step the fp16 loss scaler skipped (JSON has no inf)
+        record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": norm if math.isfinite(norm) else None,
                   "tokens_per_s": s.tokens_per_step / dt, "elapsed": train_time}
         last = step + 1 == cfg.steps  # a --stop-at run logs exactly what the full run logs
         if last or (cfg.eval_every > 0 and (step + 1) % cfg.eval_every == 0):

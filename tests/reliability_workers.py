@@ -255,3 +255,49 @@ def fp16_nonfinite_without_scaler(rank, world):
     except yashard.NonFiniteError as e:
         return str(e)
     return None
+
+
+def scaler_lifetime(rank, world):
+    """A second scaler dropped leaves the first in charge; a deepcopy is detached; once every
+    scaler is gone, on_nonfinite='raise' applies again."""
+    import copy
+    import gc
+
+    sm = yashard.shard(build(num_hidden_layers=2), config=yashard.ShardConfig(param_dtype=torch.float16))
+    opt = torch.optim.AdamW(sm.param_groups(0.1), lr=1e-3, fused=True)
+    first = yashard.ShardedGradScaler(sm, init_scale=1024.0)
+    second = yashard.ShardedGradScaler(sm)
+    del second
+    gc.collect()
+    out = {}
+
+    def poisoned_step(scaler):
+        ids = batches(1, 2 * world, 8, 96)[0].chunk(world)[rank]
+        loss = sm(input_ids=ids, labels=ids).loss
+        (scaler.scale(loss) if scaler else loss).backward()
+        if rank == 0:
+            sm.runtime.layers[0].master.grad[0] = float("inf")
+        try:
+            if scaler:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+        except yashard.NonFiniteError as e:
+            return type(e).__name__
+        finally:
+            opt.zero_grad()
+        return "ok"
+
+    out["with_first"] = (poisoned_step(first), first.get_scale())
+    dup = copy.deepcopy(first)
+    try:
+        dup.scale(torch.ones(()))   # a copy's scale is re-created lazily, as GradScaler's
+        dup.unscale_(opt)
+        out["copy"] = "unscaled"
+    except RuntimeError as e:
+        out["copy"] = str(e)
+    del first, dup
+    gc.collect()
+    out["without"] = poisoned_step(None)
+    return out

@@ -259,6 +259,8 @@ out = {}
 for name, path, ids in json.loads(sys.argv[1]):
     model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], (name, info)
+    if name.endswith("-bf16"):   # the bf16 export (one model.safetensors), run in fp32 on its bf16 weights
+        model = model.float()
     assert model.dtype == torch.float32, model.dtype
     with torch.no_grad():
         out[name] = model.eval()(input_ids=torch.tensor(ids)).logits.contiguous()
@@ -268,7 +270,8 @@ save_file(out, sys.argv[2])
 
 
 def test_export_loads_with_from_pretrained(straight, tmp_path):
-    jobs = [(name, s["export"], res["input_ids"].tolist()) for name, (s, res) in straight.items()]
+    jobs = [(name + sfx, s["export"] + sfx, res["input_ids"].tolist()) for name, (s, res) in straight.items()
+            for sfx in ("", "-bf16")]
     out = tmp_path / "logits.safetensors"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}   # plain transformers, no yashard
     env["OMP_NUM_THREADS"] = "1"
@@ -278,6 +281,7 @@ def test_export_loads_with_from_pretrained(straight, tmp_path):
     logits = load_file(str(out))
     for name, (s, res) in straight.items():
         assert rel_err(logits[name], res["logits"]) < 1e-5, (name, rel_err(logits[name], res["logits"]))
+        assert 1e-5 < rel_err(logits[name + "-bf16"], res["logits"]) < 2e-2, rel_err(logits[name + "-bf16"], res["logits"])
         path = Path(s["export"])
         index = json.loads((path / "model.safetensors.index.json").read_text())
         files = sorted(set(index["weight_map"].values()))

@@ -523,7 +523,10 @@ def test_fp16_run_scales_the_loss_and_resumes_the_scaler(tmp_path):
         return extra["grad_scaler"], [r["loss"] for r in read_log(out / "log.jsonl")]
 
     whole, whole_losses = run(tmp_path / "whole")
-    assert whole["scale"] < 65536.0 and whole["_growth_tracker"] < 4   # a step was skipped
+    assert whole["scale"] < 65536.0 and whole["_growth_tracker"] < 4   # a step was skipped ...
+    strict = [json.loads(line, parse_constant=lambda c: pytest.fail(f"log.jsonl holds {c}"))
+              for line in (tmp_path / "whole" / "log.jsonl").read_text().splitlines()]
+    assert any(r["grad_norm"] is None for r in strict)                  # ... and logged without an inf
     assert len(whole_losses) == 4 and all(math.isfinite(x) for x in whole_losses) and whole_losses[-1] < whole_losses[0]
     run(tmp_path / "cut", "--stop-at", "2")
     resumed, resumed_losses = run(tmp_path / "cut", "--resume", "true")

@@ -15,7 +15,7 @@ import yashard
 from harness import run_distributed, run_until_exit
 from reliability_workers import (default_backend_step, die_or_stall, fp16_nonfinite_without_scaler, guard_run,
                                  lm_head_too_early, nonfinite, nonfinite_skip_then_train, optimizer_before_shard,
-                                 prefetch_after_step, scaler_steps, uneven_layers, uneven_micro_batches)
+                                 prefetch_after_step, scaler_lifetime, scaler_steps, uneven_layers, uneven_micro_batches)
 
 
 @pytest.mark.parametrize("where,clip,accum", [("forward", True, 1), ("grad", True, 1), ("grad", False, 1),
@@ -200,3 +200,10 @@ def test_an_fp16_run_without_loss_scaling_is_pointed_at_the_scaler():
         assert msg is not None and msg.endswith(
             "; with param_dtype=float16, scale the loss with yashard.ShardedGradScaler (it skips such steps on every "
             "rank and lowers the scale)"), msg
+
+
+def test_sharded_grad_scaler_lifetime_copies_and_on_nonfinite_coming_back():
+    for out in run_distributed(scaler_lifetime, 2):
+        assert out["with_first"] == ("ok", 512.0)   # the dropped second scaler did not unregister the first
+        assert out["copy"].startswith("this ShardedGradScaler is a copy (deepcopy / unpickled) and is not attached")
+        assert out["without"] == "NonFiniteError"

@@ -14,6 +14,7 @@ Nothing here touches torch.distributed. Everything that makes a checkpoint crash
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import json
@@ -89,8 +90,11 @@ class StreamedSafetensors:
         self._f.close()
 
     def abort(self) -> None:
-        """Close without the completeness check (the file stays partial; its directory is never published)."""
-        self._f.close()
+        """Close without the completeness check (the file stays partial; its directory is never
+        published). Never raises: it runs while another error (a full disk, say) is handled, and
+        closing flushes the buffer, which fails again on a full disk."""
+        with contextlib.suppress(OSError):
+            self._f.close()
 
 
 def fsync_file(path: str | os.PathLike) -> None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 from .checkpoint import _runtime
@@ -24,9 +22,12 @@ class ShardedGradScaler(torch.amp.GradScaler):
         inside ``step``) it all-reduces its found-inf flag (MAX) over the shard group, the group
         that holds one copy of every gradient. Every rank then skips the same steps and keeps the
         same scale; a plain ``GradScaler`` would let ranks step apart.
-      * it owns non-finite gradients: while it exists, ``ShardConfig.on_nonfinite`` is not
-        applied at optimizer steps (a step the scaler lets through has finite gradients; one it
-        skips has lowered the scale, as loss scaling intends).
+      * it owns non-finite gradients: while an enabled one of the model exists,
+        ``ShardConfig.on_nonfinite`` is not applied at optimizer steps (a step the scaler lets
+        through has finite gradients; one it skips has lowered the scale, as loss scaling
+        intends). The step check all-gathers whether one exists, so every rank decides alike.
+      * a copy (``copy.deepcopy``, unpickled) is detached from the model and refuses to unscale;
+        move state with ``state_dict()`` / ``load_state_dict()``.
       * one collective per check, issued on every rank, so call ``unscale_`` / ``step`` on every
         rank, as with the rest of the training step. ``state_dict()`` holds plain numbers (it can
         go into ``save_checkpoint(extra=...)``).
@@ -39,10 +40,21 @@ class ShardedGradScaler(torch.amp.GradScaler):
                          backoff_factor=backoff_factor, growth_interval=growth_interval, enabled=enabled)
         self._comm = rt.comm
         self._device_of_model = rt.device
-        if enabled:
-            rt.grad_scaler = weakref.ref(self)
+        if self.is_enabled():
+            rt.grad_scalers.add(self)
+
+    def __getstate__(self):
+        # the process group cannot be pickled: a copy (deepcopy, torch.save) is not attached to a model
+        state = super().__getstate__()
+        state["_comm"] = None
+        return state
 
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+        if self._comm is None:
+            raise RuntimeError(
+                "this ShardedGradScaler is a copy (deepcopy / unpickled) and is not attached to a sharded model; "
+                "create one with yashard.ShardedGradScaler(model) and load_state_dict() the copy's state_dict()"
+            )
         per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
         # the model's device always takes part (a rank whose optimizer saw no gradient still joins)
         if self._device_of_model not in per_device:

@@ -105,27 +105,28 @@ def step_checks(rt) -> None:
     (``on_nonfinite``) and the collective-order comparison (``debug_collectives``), with one
     small all-gather over the data-parallel group."""
     cfg, comm = rt.config, rt.comm
-    # A ShardedGradScaler owns non-finite gradients: it skips such steps on every rank itself.
-    scaler = rt.grad_scaler() if rt.grad_scaler is not None else None
-    on_nonfinite = "ignore" if scaler is not None else cfg.on_nonfinite
-    if on_nonfinite == "ignore" and not cfg.debug_collectives:
-        rt.fwd_nonfinite.zero_()
+    if cfg.on_nonfinite == "ignore" and not cfg.debug_collectives:
         return
     n = len(rt.units)
     log = comm.log
-    bad_grads = ~rt.grads_finite() if on_nonfinite != "ignore" else torch.zeros_like(rt.fwd_nonfinite)
+    # A live ShardedGradScaler owns non-finite gradients (it skips such steps on every rank itself).
+    # Whether one lives is all-gathered with the flags, so every rank decides alike even if the
+    # ranks' garbage collectors drop theirs at different times.
+    scaled = rt.has_grad_scaler()
+    check = cfg.on_nonfinite != "ignore" and not scaled
+    bad_grads = ~rt.grads_finite() if check else torch.zeros_like(rt.fwd_nonfinite)
     local = torch.cat([rt.fwd_nonfinite.long(), bad_grads.long(),
-                       torch.tensor([log.crc, len(log.sequence)], device=rt.device)])
+                       torch.tensor([int(scaled), log.crc, len(log.sequence)], device=rt.device)])
     every = comm.all_gather_tensor(local, "step checks (before the optimizer step)").cpu()
     rt.fwd_nonfinite.zero_()
     if cfg.debug_collectives:
-        if not (every[:, 2 * n:] == every[0, 2 * n:]).all():
+        if not (every[:, 2 * n + 1:] == every[0, 2 * n + 1:]).all():
             _raise_divergence(rt)
         log.reset_sequence()
-    if on_nonfinite == "ignore" or not every[:, : 2 * n].any():
+    if cfg.on_nonfinite == "ignore" or every[:, 2 * n].any() or not every[:, : 2 * n].any():
         return
     message = _nonfinite_message(rt, every[:, :n].bool(), every[:, n: 2 * n].bool())
-    if on_nonfinite == "raise":
+    if cfg.on_nonfinite == "raise":
         hint = ("; with param_dtype=float16, scale the loss with yashard.ShardedGradScaler (it skips such steps "
                 "on every rank and lowers the scale)" if cfg.param_dtype == torch.float16 else "")
         raise NonFiniteError(message + "; ShardConfig(on_nonfinite='skip') skips such steps instead" + hint)

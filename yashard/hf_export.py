@@ -14,8 +14,8 @@ fits in one file. Which tensor goes to which file is planned before anything is 
 (:func:`plan_files`): every size is known from the layouts.
 
 Streaming: for each unit every rank joins one all-gather of the unit's flat vector into a temporary
-buffer and rank 0 writes that unit's tensors (cast to ``dtype``) to its file, so the extra memory is
-one unit. With tied input/output embeddings only the input embedding is stored; ``from_pretrained``
+buffer and rank 0 appends that unit's tensors (cast to ``dtype``) to the file(s) they are planned
+in, so the extra memory is one unit. With tied input/output embeddings only the input embedding is stored; ``from_pretrained``
 re-ties the output embedding to it (transformers lists it in ``_tied_weights_keys``).
 
 Atomic protocol: rank 0 writes into a fresh sibling directory ``.<name>.yashard-tmp-<random>``,
@@ -159,15 +159,6 @@ def export_hf(model, path: str | os.PathLike, *, dtype: torch.dtype | None = Non
         raise ValueError(f"export_hf dtype={dtype} is not supported; use torch.float32, torch.bfloat16 or torch.float16")
     limit = parse_size(max_shard_size)
     hf = rt.model
-    dest = Path(path)
-    err, tmp = None, None
-    try:
-        if comm.rank == 0:
-            tmp = _prepare(dest)
-    except Exception as e:  # noqa: BLE001 - shared with every rank by _agree
-        err = e
-    tmp = Path(_agree(comm, "export_hf", err, str(tmp) if tmp else None)[0])
-
     units = rt.units
     emb = _input_embedding_name(hf)
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -179,6 +170,15 @@ def export_hf(model, path: str | os.PathLike, *, dtype: torch.dtype | None = Non
     specs: list[list] = [[] for _ in range(n_files)]
     for (e, nm), f in zip(tensors, file_of):
         specs[f].append((nm, dtype, e.shape))
+    dest = Path(path)
+    err, tmp = None, None
+    try:
+        if comm.rank == 0:
+            tmp = _prepare(dest)
+    except Exception as e:  # noqa: BLE001 - shared with every rank by _agree
+        err = e
+    tmp = Path(_agree(comm, "export_hf", err, str(tmp) if tmp else None)[0])
+
     weight_map: dict[str, str] = {}
     total = 0
     err = None

@@ -12,6 +12,7 @@ import contextlib
 import functools
 import logging
 import math
+import weakref
 
 import torch
 import torch.utils.checkpoint
@@ -255,7 +256,7 @@ class Runtime:
         self.fwd_nonfinite = torch.zeros(len(self.units), dtype=torch.bool, device=self.device)
         self._clip_finite = None  # (per-unit 'gradient is finite' flags, the grads' versions) of the last clip
         self.skipped_steps = 0
-        self.grad_scaler = None   # weakref to a ShardedGradScaler, which then owns non-finite gradients
+        self.grad_scalers = weakref.WeakSet()  # enabled ShardedGradScalers: they own non-finite gradients
         guards.track(self, removed)  # weak references: the removed parameters are freed as usual
         self.model.to(self.device)  # moves the remaining buffers (rotary tables, ...)
 
@@ -804,6 +805,10 @@ class Runtime:
             torch._foreach_mul_(grads, coef)
             self._clip_finite = (finite, self._grad_versions())
         return total
+
+    def has_grad_scaler(self) -> bool:
+        """Whether an enabled :class:`yashard.ShardedGradScaler` of this model is alive."""
+        return len(self.grad_scalers) > 0
 
     def _grad_versions(self) -> tuple:
         return tuple(None if u.master.grad is None else (id(u.master.grad), u.master.grad._version) for u in self.units)

@@ -73,3 +73,17 @@ def test_safetensors_file_rejects_broken_files(tmp_path):
         path.write_bytes(data)
         with pytest.raises(SafetensorsError, match=pattern):
             SafetensorsFile(path)
+
+
+def test_aborting_a_streamed_file_on_a_full_disk_does_not_raise_again(tmp_path):
+    """abort() runs while a write error is being handled; closing flushes the buffer, which fails
+    again on a full disk (/dev/full): that second error must not replace the first."""
+    from yashard._io import StreamedSafetensors
+
+    w = StreamedSafetensors(tmp_path / "x.safetensors", [("a", torch.float32, (4,))])
+    w._f.close()
+    w._f = open("/dev/full", "wb")   # every flush fails with ENOSPC
+    w._f.write(b"x" * 16)
+    with pytest.raises(OSError):
+        w._f.flush()
+    w.abort()

@@ -158,3 +158,66 @@ def save_then_killed_save(rank: int, world: int, s: dict, path: str, ref: str, m
         opt.zero_grad()
     yashard.save_checkpoint(path, sm, opt, extra={"step": 2})
     return "save returned"  # only reached if the kill did not happen
+
+
+# ------------------------------------------------------------------------------------------------
+# torch.distributed.checkpoint through model.sharded_state_dict()
+
+DCP_MODELS = {"llama": ("llama", {}), "qwen2_tied": ("qwen2", {"tie_word_embeddings": True}),
+              "qwen3": ("qwen3", {"hidden_size": 44, "intermediate_size": 70})}   # 44, 70: uneven pieces
+
+
+def dcp_save(rank, world, root: str, cfg: dict | None = None) -> dict:
+    """Train two steps of each DCP model (``cfg``: ShardConfig fields), dcp.save its sharded state
+    dict; the full weights."""
+    import torch.distributed.checkpoint as dcp
+
+    out = {}
+    for name, (family, kw) in DCP_MODELS.items():
+        sm = yashard.shard(build(family, seed=3, **kw), config=yashard.ShardConfig(**(cfg or {})))
+        opt = torch.optim.AdamW(sm.param_groups(0.1), lr=1e-2)
+        for ids in batches(2, 2 * world, 8, 96, seed=5):
+            part = ids.chunk(world)[rank]
+            sm(input_ids=part, labels=part).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        dcp.save(sm.sharded_state_dict(), checkpoint_id=os.path.join(root, name))
+        out[name] = sm.full_state_dict()
+    return out
+
+
+def dcp_load(rank, world, root: str, ids: torch.Tensor) -> dict:
+    """Shard each DCP model from another init, run a forward (its slots now hold those weights),
+    dcp.load the checkpoint in place; the full weights and the logits of ``ids`` after the load."""
+    import torch.distributed.checkpoint as dcp
+
+    out = {}
+    for name, (family, kw) in DCP_MODELS.items():
+        sm = yashard.shard(build(family, seed=11, **kw)).eval()
+        with torch.no_grad():
+            sm(input_ids=ids)
+        sd = sm.sharded_state_dict()
+        dcp.load(sd, checkpoint_id=os.path.join(root, name))
+        with torch.no_grad():
+            logits = sm(input_ids=ids).logits
+        out[name] = dict(params=sm.full_state_dict(), logits=logits, boxes=max(len(p.boxes) for p in sd.values()))
+    return out
+
+
+def fsdp2_dcp_save(rank, world, root: str) -> dict:
+    """FSDP2 (fully_shard per layer and at the root) saves each DCP model with dcp.save(model.state_dict());
+    the full weights it saved."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    for name, (family, kw) in DCP_MODELS.items():
+        model = build(family, seed=6, **kw)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        dcp.save(model.state_dict(), checkpoint_id=os.path.join(root, name))
+        out[name] = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    return out

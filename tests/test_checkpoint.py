@@ -21,7 +21,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import yashard
-from ckpt_workers import EXPORT_LIMIT, run_segments, save_then_killed_save, segment
+from ckpt_workers import (DCP_MODELS, EXPORT_LIMIT, dcp_load, dcp_save, fsdp2_dcp_save, run_segments,
+                          save_then_killed_save, segment)
 from harness import run_distributed as launch, run_until_exit
 from models import batches, build
 from workers import rel_err
@@ -655,3 +656,62 @@ def test_export_failure_keeps_the_previous_export(pg, tmp_path, monkeypatch):
         yashard.export_hf(sm, tmp_path / "hf")
     assert {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()} == before
     assert sorted(os.listdir(tmp_path)) == ["hf"]
+
+
+# ------------------------------------------------------------------------------------------------
+# torch.distributed.checkpoint (DCP): model.sharded_state_dict()
+
+
+def test_dcp_save_at_2_loads_at_3_into_a_plain_model_and_back(tmp_path):
+    """yashard's DCP checkpoint holds full-shape tensors under HF names, written in pieces by each
+    rank: it loads at another world size (in place, into weights the slots had already gathered), into
+    an unsharded HF model, and an unsharded model's DCP checkpoint loads into yashard."""
+    import torch.distributed.checkpoint as dcp
+
+    saved = launch(dcp_save, 2, str(tmp_path / "yashard"))[0]
+    ids = batches(1, 2, 8, 96, seed=9)[0]
+    at3 = launch(dcp_load, 3, str(tmp_path / "yashard"), ids)
+    for rank_out in at3:
+        for name, (family, kw) in DCP_MODELS.items():
+            got = rank_out[name]
+            assert set(got["params"]) == set(saved[name])
+            assert all(torch.equal(got["params"][k], saved[name][k]) for k in saved[name]), name
+            ref = build(family, **kw).eval()
+            ref.load_state_dict(saved[name])
+            with torch.no_grad():
+                assert rel_err(got["logits"], ref(input_ids=ids).logits) < 1e-5, name
+    assert max(out[n]["boxes"] for out in at3 for n in saved) >= 2   # pieces of matrices cut into boxes
+
+    for name, (family, kw) in DCP_MODELS.items():
+        plain = build(family, seed=4, **kw)                     # yashard -> unsharded model
+        dcp.load(plain.state_dict(), checkpoint_id=str(tmp_path / "yashard" / name), no_dist=True)
+        assert all(torch.equal(v, saved[name][k]) for k, v in plain.state_dict().items()), name
+        theirs = build(family, seed=8, **kw)                    # unsharded model -> yashard
+        dcp.save(theirs.state_dict(), checkpoint_id=str(tmp_path / "plain" / name), no_dist=True)
+    for name, (family, kw) in DCP_MODELS.items():
+        want = build(family, seed=8, **kw).state_dict()
+        for rank_out in launch(dcp_load, 2, str(tmp_path / "plain"), ids):
+            assert all(torch.equal(rank_out[name]["params"][k], want[k]) for k in want), name
+
+
+def test_an_fsdp2_dcp_checkpoint_loads_into_yashard_at_another_world_size(tmp_path):
+    saved = launch(fsdp2_dcp_save, 2, str(tmp_path))[0]
+    ids = batches(1, 2, 8, 96, seed=9)[0]
+    for rank_out in launch(dcp_load, 3, str(tmp_path), ids):
+        for name in DCP_MODELS:
+            want = saved[name]
+            assert set(want) <= set(rank_out[name]["params"])
+            assert all(torch.equal(rank_out[name]["params"][k], want[k]) for k in want), name
+
+
+def test_a_hybrid_sharded_dcp_save_writes_each_piece_once_and_loads_at_world_1(tmp_path):
+    """4 ranks as 2 replicas of 2 shards: the replicas' identical pieces are written once (DCP gives
+    each duplicated write item to one of the ranks holding it) and the checkpoint loads into one rank."""
+    saved = launch(dcp_save, 4, str(tmp_path / "hybrid"), {"shard_group_size": 2})[0]
+    launch(dcp_save, 2, str(tmp_path / "plain"))
+    got = launch(dcp_load, 1, str(tmp_path / "hybrid"), batches(1, 2, 8, 96, seed=9)[0])[0]
+    for name in DCP_MODELS:
+        assert all(torch.equal(got[name]["params"][k], saved[name][k]) for k in saved[name]), name
+        hybrid, plain = (sum(f.stat().st_size for f in (tmp_path / d / name).iterdir() if f.suffix == ".distcp")
+                         for d in ("hybrid", "plain"))
+        assert abs(hybrid - plain) < 0.1 * plain, (hybrid, plain)   # the same bytes: once, not once per replica

@@ -640,12 +640,24 @@ def test_state_dict_is_refused_with_the_alternatives(pg, tmp_path):
     for call in (sm.state_dict, sm.module.state_dict, lambda: sm.module.save_pretrained(tmp_path / "hf")):
         with pytest.raises(RuntimeError, match=r"state_dict\(\) of a yashard-sharded model: .*silently keep one "
                                                r"rank's piece.*yashard\.save_checkpoint\(path, model, optimizer\).*"
+                                               r"model\.sharded_state_dict\(\) with torch\.distributed\.checkpoint.*"
                                                r"model\.full_state_dict\(\).*yashard\.export_hf"):
             call()
     with pytest.raises(RuntimeError, match=r"load_state_dict\(\) into a yashard-sharded model: .*yashard\.load_checkpoint"
+                                           r".*dcp\.load\(model\.sharded_state_dict\(\), checkpoint_id=path\)"
                                            r".*yashard\.from_pretrained"):
         sm.load_state_dict({})
     assert set(sm.full_state_dict()) == set(build().state_dict())  # the collective form works
+    sd = sm.sharded_state_dict()                                    # and the DCP form
+    assert set(sd) == set(build().state_dict())
+    w = sd["model.layers.0.mlp.up_proj.weight"]
+    assert repr(w) == "ShardedParameter(model.layers.0.mlp.up_proj.weight, shape=(64, 32), 2048 elements on this rank in 1 boxes)"
+    with pytest.raises(TypeError, match=r"aten\.\w+\.default on a yashard ShardedParameter: sharded_state_dict\(\) is "
+                                        r"for torch\.distributed\.checkpoint \(dcp\.save / dcp\.load\); read full tensors"):
+        w.clone()
+    with pytest.raises(TypeError, match=r"pickling \(torch\.save\) a yashard ShardedParameter \(model\.layers\.0\.mlp"
+                                        r"\.up_proj\.weight\) would keep only this rank's part; save with dcp\.save"):
+        torch.save(w, tmp_path / "w.pt")
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

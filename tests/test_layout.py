@@ -1,6 +1,9 @@
 """Unit tests for the pure layout math (no torch.distributed, no device memory)."""
 
+import math
+
 import pytest
+import torch
 
 from yashard.layout import build_layout, ceil_div, round_up, shard_pieces, slot_assignment, uncovered_ranges
 
@@ -101,3 +104,24 @@ def test_layout_errors(args, message):
 def test_alignment_error():
     with pytest.raises(ValueError, match="alignments must be >= 1"):
         build_layout([("a", (2,))], 2, shard_align=0)
+
+
+@pytest.mark.parametrize("shape", [(7,), (3, 5), (4, 1, 6), (2, 3, 4, 5), (5, 0), ()])
+def test_flat_range_boxes_tile_every_range_in_order(shape):
+    from yashard.layout import flat_range_boxes
+
+    total = math.prod(shape)
+    flat = torch.arange(total).view(shape)
+    for lo in range(total + 1):
+        for hi in range(lo, total + 1):
+            boxes = flat_range_boxes(shape, lo, hi)
+            assert len(boxes) <= max(1, 2 * len(shape) - 1)
+            covered = lo
+            for offsets, sizes, start in boxes:
+                assert start == covered and len(offsets) == len(sizes) == len(shape)
+                block = flat[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
+                assert torch.equal(block.reshape(-1), torch.arange(start, start + block.numel()))  # contiguous, in order
+                covered += block.numel()
+            assert covered == hi
+    with pytest.raises(ValueError, match=r"range \[0, 9\) is outside a tensor of shape \(2, 4\) \(8 elements\)"):
+        flat_range_boxes((2, 4), 0, 9)

@@ -53,7 +53,8 @@ def _refuse_state_dict(module, prefix, keep_vars):
         "state_dict() of a yashard-sharded model: its parameters are flat per-rank shards that every rank "
         "would report under the same names, so torch.save or torch.distributed.checkpoint would silently keep "
         "one rank's piece (and the HF module itself holds no parameters). Save with yashard.save_checkpoint(path, "
-        "model, optimizer) and restore with yashard.load_checkpoint (crash-safe; loads at any world size), "
+        "model, optimizer) and restore with yashard.load_checkpoint (crash-safe; loads at any world size), use "
+        "model.sharded_state_dict() with torch.distributed.checkpoint (dcp.save / dcp.load), "
         + _FULL_TENSORS
     )
 
@@ -63,6 +64,7 @@ def _refuse_load_state_dict(module, state_dict, prefix, local_metadata, strict, 
     raise RuntimeError(
         "load_state_dict() into a yashard-sharded model: its parameters are flat per-rank shards. Restore a "
         "yashard.save_checkpoint checkpoint with yashard.load_checkpoint (crash-safe; loads at any world size), "
+        "a torch.distributed.checkpoint one with dcp.load(model.sharded_state_dict(), checkpoint_id=path), "
         + _FULL_TENSORS + "; to start from full HF weights, shard with yashard.shard(model, weights=folder) or "
         "yashard.from_pretrained"
     )
@@ -168,6 +170,16 @@ class ShardedModel(nn.Module):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 weights by HF name (tied names share one tensor). Collective: call on every rank."""
         return self._runtime.gather_full("params")
+
+    def sharded_state_dict(self) -> dict:
+        """HF parameter name -> a full-shape view of this rank's part of it, for
+        ``torch.distributed.checkpoint``: ``dcp.save(model.sharded_state_dict(), checkpoint_id=path)``
+        writes each rank's part; ``dcp.load(model.sharded_state_dict(), checkpoint_id=path)`` fills the
+        masters in place, from a checkpoint of any world size, of FSDP2 or of an unsharded model
+        (:mod:`yashard.dcp`). Weights only (optimizer state: :func:`yashard.save_checkpoint`)."""
+        from .dcp import sharded_state_dict
+
+        return sharded_state_dict(self._runtime)
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Full fp32 gradients by HF name (zeros where none). Collective: call on every rank."""

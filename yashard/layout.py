@@ -201,3 +201,43 @@ def uncovered_ranges(layout: FlatLayout, written: Sequence[bool]) -> list[tuple[
         else:
             out.append((e.offset, e.end))
     return out
+
+
+def flat_range_boxes(shape: Sequence[int], lo: int, hi: int) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
+    """Cut elements ``[lo, hi)`` of a row-major tensor of ``shape`` into rectangular boxes.
+
+    Returns ``(offsets, sizes, flat_start)`` per box, in flat order: the box covers
+    ``tensor[offsets[0]:offsets[0] + sizes[0], ...]`` and is the contiguous flat range that starts at
+    ``flat_start``. At most ``2 * ndim - 1`` boxes: a partial leading row, a block of whole rows and a
+    partial trailing row, each cut the same way one dimension down. A 0-d tensor is one box.
+    """
+    shape = tuple(int(s) for s in shape)
+    total = 1
+    for s in shape:
+        total *= s
+    if not 0 <= lo <= hi <= total:
+        raise ValueError(f"range [{lo}, {hi}) is outside a tensor of shape {shape} ({total} elements)")
+    if lo == hi:
+        return []
+    if not shape:
+        return [((), (), 0)]
+    if len(shape) == 1:
+        return [((lo,), (hi - lo,), lo)]
+    inner = total // shape[0]
+    rest = shape[1:]
+
+    def in_row(row: int, a: int, b: int):
+        return [((row, *o), (1, *s), row * inner + f) for o, s, f in flat_range_boxes(rest, a, b)]
+
+    r0, r1 = lo // inner, hi // inner
+    if r0 == r1:
+        return in_row(r0, lo - r0 * inner, hi - r0 * inner)
+    out = []
+    if lo % inner:
+        out += in_row(r0, lo % inner, inner)
+        r0 += 1
+    if r1 > r0:
+        out.append(((r0,) + (0,) * len(rest), (r1 - r0, *rest), r0 * inner))
+    if hi % inner:
+        out += in_row(r1, 0, hi % inner)
+    return out

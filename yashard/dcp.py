@@ -1,0 +1,103 @@
+"""``torch.distributed.checkpoint`` (DCP) views of the sharded model.
+
+:meth:`ShardedModel.sharded_state_dict` maps every HF parameter name to a :class:`ShardedParameter`:
+a tensor of the parameter's full shape whose data lives in the rank's fp32 master shards. A rank's
+shard of a unit is one flat range, so its part of a parameter is a flat range of that parameter,
+which :func:`yashard.layout.flat_range_boxes` cuts into at most ``2 * ndim - 1`` rectangular
+boxes; DCP sees them as the chunks this rank holds (the protocol DTensor implements:
+``__create_write_items__``, ``__create_chunk_list__``, ``__get_tensor_shard__``). So::
+
+    dcp.save(model.sharded_state_dict(), checkpoint_id=path)   # every rank writes its own boxes
+    dcp.load(model.sharded_state_dict(), checkpoint_id=path)   # in place into the masters
+
+store full-shape tensors under HF names, as FSDP2 and a plain model's ``state_dict()`` do: a
+checkpoint saved by yashard at one world size loads at any other, into FSDP2, or into an unsharded
+model (``dcp.load(hf_model.state_dict(), ..., no_dist=True)``), and theirs load into yashard. Loads
+write the masters through views that share their version counter, so the runtime sees them change
+(gathered weights and ``param_dtype`` copies are refreshed). Optimizer state is not part of it: use
+:func:`yashard.save_checkpoint` for resumable training state.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from .layout import flat_range_boxes, shard_pieces
+
+
+class ShardedParameter(torch.Tensor):
+    """One parameter's full shape, backed by the boxes of it this rank holds (views of its masters).
+
+    Contract: it is a container for DCP, not a tensor to compute with (every operation on it raises);
+    ``boxes`` lists ``(offsets, view)`` per box this rank holds, possibly none; the union over the
+    ranks of a shard group is the whole parameter, each element exactly once.
+    """
+
+    @staticmethod
+    def __new__(cls, shape: torch.Size, boxes: list[tuple[torch.Size, torch.Tensor]], dtype, device, name: str):
+        r = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device, requires_grad=False)
+        r.boxes = boxes
+        r.fqn = name
+        return r
+
+    def __repr__(self) -> str:  # noqa: D105
+        return (f"ShardedParameter({self.fqn}, shape={tuple(self.shape)}, "
+                f"{sum(v.numel() for _, v in self.boxes)} elements on this rank in {len(self.boxes)} boxes)")
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(
+            f"pickling (torch.save) a yashard ShardedParameter ({self.fqn}) would keep only this rank's part; save "
+            "with dcp.save(model.sharded_state_dict(), checkpoint_id=path) or yashard.save_checkpoint, or torch.save "
+            "model.full_state_dict() (a collective) on one rank"
+        )
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise TypeError(
+            f"{func} on a yashard ShardedParameter: sharded_state_dict() is for torch.distributed.checkpoint "
+            "(dcp.save / dcp.load); read full tensors with model.full_state_dict()"
+        )
+
+    def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
+        return [
+            WriteItem(index=MetadataIndex(fqn, offsets, i), type=WriteItemType.SHARD,
+                      tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets, view.shape),
+                                                  properties=TensorProperties.create_from_tensor(view),
+                                                  size=self.shape))
+            for i, (offsets, view) in enumerate(self.boxes)
+        ]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets, view.shape) for offsets, view in self.boxes]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        if index.index is not None and index.index < len(self.boxes) and self.boxes[index.index][0] == index.offset:
+            return self.boxes[index.index][1]
+        for offsets, view in self.boxes:
+            if offsets == index.offset:
+                return view
+        raise ValueError(f"{self.fqn}: this rank holds no box at offset {tuple(index.offset or ())}")
+
+
+def sharded_state_dict(rt) -> dict[str, ShardedParameter]:
+    """Every HF parameter name (tied names included) -> its :class:`ShardedParameter` on this rank."""
+    rank = rt.comm.shard_rank
+    out: dict[str, ShardedParameter] = {}
+    for u in rt.units:
+        master = u.master.detach()  # shares the version counter: a load is seen as a change
+        held = {p.entry: p for p in shard_pieces(u.layout, rank)}
+        for i, (entry, fqns) in enumerate(zip(u.layout.entries, u.fqns)):
+            boxes = []
+            piece = held.get(i)
+            if piece is not None:
+                base = piece.shard_start - piece.entry_start  # master index of the entry's element 0
+                for offsets, sizes, start in flat_range_boxes(entry.shape, piece.entry_start, piece.entry_end):
+                    n = 1
+                    for s in sizes:
+                        n *= s
+                    boxes.append((torch.Size(offsets), master.narrow(0, base + start, n).view(sizes)))
+            for fqn in fqns:
+                out[fqn] = ShardedParameter(torch.Size(entry.shape), boxes, master.dtype, master.device, fqn)
+    return out

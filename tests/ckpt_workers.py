@@ -204,20 +204,56 @@ def dcp_load(rank, world, root: str, ids: torch.Tensor) -> dict:
     return out
 
 
-def fsdp2_dcp_save(rank, world, root: str) -> dict:
-    """FSDP2 (fully_shard per layer and at the root) saves each DCP model with dcp.save(model.state_dict());
-    the full weights it saved."""
-    import torch.distributed.checkpoint as dcp
+def _fsdp2(family: str, kw: dict, seed: int, world: int):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (world,))
+    model = build(family, seed=seed, **kw)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def fsdp2_dcp(rank, world, root: str, action: str) -> dict:
+    """FSDP2 (fully_shard per layer and at the root) saves each DCP model with dcp.save(model.state_dict())
+    (``action`` "save"), or loads it in place from ``root`` ("load"); the full weights either way."""
+    import torch.distributed.checkpoint as dcp
+
     out = {}
     for name, (family, kw) in DCP_MODELS.items():
-        model = build(family, seed=6, **kw)
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        dcp.save(model.state_dict(), checkpoint_id=os.path.join(root, name))
+        model = _fsdp2(family, kw, 6 if action == "save" else 12, world)
+        sd = model.state_dict()
+        (dcp.save if action == "save" else dcp.load)(sd, checkpoint_id=os.path.join(root, name))
         out[name] = {k: v.full_tensor() for k, v in model.state_dict().items()}
     return out
+
+
+def dcp_async_save(rank, world, path: str) -> dict:
+    """dcp.async_save with yashard's SnapshotStager, then an optimizer step before the save is waited
+    for; the full weights at the async_save call."""
+    import torch.distributed.checkpoint as dcp
+
+    from yashard.dcp import SnapshotStager
+
+    sm = yashard.shard(build("llama", seed=3))
+    opt = torch.optim.AdamW(sm.param_groups(0.1), lr=1e-2)
+    before = sm.full_state_dict()
+    group = dist.new_group(backend="gloo")   # the save's collectives run beside training's (DCP's advice)
+    fut = dcp.async_save({"model": sm.sharded_state_dict()}, checkpoint_id=path, async_stager=SnapshotStager(),
+                         process_group=group)
+    ids = batches(1, 2 * world, 8, 96)[0].chunk(world)[rank]
+    sm(input_ids=ids, labels=ids).loss.backward()
+    opt.step()                       # the masters change while the save may still be writing
+    fut.result()
+    return before
+
+
+def dcp_load_named(rank, world, path: str) -> dict:
+    """A Llama sharded from another init loads ``{"model": sharded_state_dict()}`` from ``path``."""
+    import torch.distributed.checkpoint as dcp
+
+    sm = yashard.shard(build("llama", seed=13))
+    dcp.load({"model": sm.sharded_state_dict()}, checkpoint_id=path)
+    return sm.full_state_dict()

@@ -21,8 +21,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import yashard
-from ckpt_workers import (DCP_MODELS, EXPORT_LIMIT, dcp_load, dcp_save, fsdp2_dcp_save, run_segments,
-                          save_then_killed_save, segment)
+from ckpt_workers import (DCP_MODELS, EXPORT_LIMIT, dcp_async_save, dcp_load, dcp_load_named, dcp_save, fsdp2_dcp,
+                          run_segments, save_then_killed_save, segment)
 from harness import run_distributed as launch, run_until_exit
 from models import batches, build
 from workers import rel_err
@@ -694,14 +694,43 @@ def test_dcp_save_at_2_loads_at_3_into_a_plain_model_and_back(tmp_path):
             assert all(torch.equal(rank_out[name]["params"][k], want[k]) for k in want), name
 
 
-def test_an_fsdp2_dcp_checkpoint_loads_into_yashard_at_another_world_size(tmp_path):
-    saved = launch(fsdp2_dcp_save, 2, str(tmp_path))[0]
+def test_dcp_checkpoints_go_between_fsdp2_and_yashard_at_other_world_sizes(tmp_path):
+    saved = launch(fsdp2_dcp, 2, str(tmp_path / "fsdp2"), "save")[0]        # FSDP2 at 2 -> yashard at 3
     ids = batches(1, 2, 8, 96, seed=9)[0]
-    for rank_out in launch(dcp_load, 3, str(tmp_path), ids):
+    for rank_out in launch(dcp_load, 3, str(tmp_path / "fsdp2"), ids):
         for name in DCP_MODELS:
             want = saved[name]
             assert set(want) <= set(rank_out[name]["params"])
             assert all(torch.equal(rank_out[name]["params"][k], want[k]) for k in want), name
+    ours = launch(dcp_save, 3, str(tmp_path / "yashard"))[0]                 # yashard at 3 -> FSDP2 at 2
+    for rank_out in launch(fsdp2_dcp, 2, str(tmp_path / "yashard"), "load"):
+        for name in DCP_MODELS:
+            assert all(torch.equal(v, ours[name][k]) for k, v in rank_out[name].items()), name
+
+
+def test_dcp_async_save_with_the_snapshot_stager(tmp_path):
+    """The stager copies each rank's boxes when async_save is called: an optimizer step taken before
+    the save is waited for does not reach the checkpoint."""
+    before = launch(dcp_async_save, 2, str(tmp_path))[0]
+    got = launch(dcp_load_named, 1, str(tmp_path))[0]
+    assert set(got) == set(before) and all(torch.equal(got[k], before[k]) for k in before)
+
+
+def test_a_parameter_with_no_elements_reaches_the_dcp_checkpoint(pg, tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    def model(seed):
+        m = build(seed=seed)
+        m.model.layers[1].register_parameter("empty", torch.nn.Parameter(torch.zeros(5, 0)))
+        return yashard.shard(m)
+
+    src = model(1)
+    dcp.save(src.sharded_state_dict(), checkpoint_id=str(tmp_path))
+    sm = model(2)
+    dcp.load(sm.sharded_state_dict(), checkpoint_id=str(tmp_path))   # raised "Missing key" without it
+    want, got = src.full_state_dict(), sm.full_state_dict()
+    assert got["model.layers.1.empty"].shape == (5, 0)
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_a_hybrid_sharded_dcp_save_writes_each_piece_once_and_loads_at_world_1(tmp_path):

@@ -653,7 +653,8 @@ def test_state_dict_is_refused_with_the_alternatives(pg, tmp_path):
     w = sd["model.layers.0.mlp.up_proj.weight"]
     assert repr(w) == "ShardedParameter(model.layers.0.mlp.up_proj.weight, shape=(64, 32), 2048 elements on this rank in 1 boxes)"
     with pytest.raises(TypeError, match=r"aten\.\w+\.default on a yashard ShardedParameter: sharded_state_dict\(\) is "
-                                        r"for torch\.distributed\.checkpoint \(dcp\.save / dcp\.load\); read full tensors"):
+                                        r"for torch\.distributed\.checkpoint \(dcp\.save / dcp\.load; dcp\.async_save with "
+                                        r"async_stager=yashard\.dcp\.SnapshotStager\(\)\); read full tensors"):
         w.clone()
     with pytest.raises(TypeError, match=r"pickling \(torch\.save\) a yashard ShardedParameter \(model\.layers\.0\.mlp"
                                         r"\.up_proj\.weight\) would keep only this rank's part; save with dcp\.save"):

@@ -16,11 +16,18 @@ model (``dcp.load(hf_model.state_dict(), ..., no_dist=True)``), and theirs load 
 write the masters through views that share their version counter, so the runtime sees them change
 (gathered weights and ``param_dtype`` copies are refreshed). Optimizer state is not part of it: use
 :func:`yashard.save_checkpoint` for resumable training state.
+
+``dcp.async_save`` needs :class:`SnapshotStager` (``async_stager=yashard.dcp.SnapshotStager()``): it
+copies each rank's boxes to CPU memory before training goes on (DCP's default stager would try to
+allocate every parameter's full shape). Give it a process group of its own
+(``process_group=dist.new_group(backend="gloo")``), as DCP advises: its collectives then never
+interleave with training's.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
@@ -57,7 +64,8 @@ class ShardedParameter(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         raise TypeError(
             f"{func} on a yashard ShardedParameter: sharded_state_dict() is for torch.distributed.checkpoint "
-            "(dcp.save / dcp.load); read full tensors with model.full_state_dict()"
+            "(dcp.save / dcp.load; dcp.async_save with async_stager=yashard.dcp.SnapshotStager()); read full "
+            "tensors with model.full_state_dict()"
         )
 
     def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
@@ -81,6 +89,32 @@ class ShardedParameter(torch.Tensor):
         raise ValueError(f"{self.fqn}: this rank holds no box at offset {tuple(index.offset or ())}")
 
 
+class SnapshotStager(AsyncStager):
+    """The stager for ``dcp.async_save(model.sharded_state_dict(), ..., async_stager=SnapshotStager())``.
+
+    Contract: ``stage`` returns the state dict with every :class:`ShardedParameter` rebuilt over CPU
+    copies of this rank's boxes (and every other tensor copied to CPU), taken when ``async_save`` is
+    called; the masters may change as soon as it returns. Extra memory: this rank's shard of the
+    weights, in CPU memory, until the save finishes.
+    """
+
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict):  # noqa: D102
+        from torch.utils._pytree import tree_map_only
+
+        def snap(t: torch.Tensor) -> torch.Tensor:
+            if isinstance(t, ShardedParameter):
+                return ShardedParameter(t.shape, [(o, v.to("cpu", copy=True)) for o, v in t.boxes], t.dtype,
+                                        torch.device("cpu"), t.fqn)
+            return t.detach().to("cpu", copy=True)
+
+        return tree_map_only(torch.Tensor, snap, state_dict)
+
+    def synchronize_staging(self) -> None:  # noqa: D102 - stage() copies synchronously
+        pass
+
+
 def sharded_state_dict(rt) -> dict[str, ShardedParameter]:
     """Every HF parameter name (tied names included) -> its :class:`ShardedParameter` on this rank."""
     rank = rt.comm.shard_rank
@@ -91,7 +125,9 @@ def sharded_state_dict(rt) -> dict[str, ShardedParameter]:
         for i, (entry, fqns) in enumerate(zip(u.layout.entries, u.fqns)):
             boxes = []
             piece = held.get(i)
-            if piece is not None:
+            if entry.numel == 0 and rank == 0:  # no element to hold, but the name must reach the checkpoint
+                boxes.append((torch.Size([0] * len(entry.shape)), master.narrow(0, 0, 0).view(entry.shape)))
+            elif piece is not None:
                 base = piece.shard_start - piece.entry_start  # master index of the entry's element 0
                 for offsets, sizes, start in flat_range_boxes(entry.shape, piece.entry_start, piece.entry_end):
                     n = 1

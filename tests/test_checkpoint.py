@@ -662,6 +662,7 @@ def test_export_failure_keeps_the_previous_export(pg, tmp_path, monkeypatch):
 # torch.distributed.checkpoint (DCP): model.sharded_state_dict()
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")   # no_dist=True says so
 def test_dcp_save_at_2_loads_at_3_into_a_plain_model_and_back(tmp_path):
     """yashard's DCP checkpoint holds full-shape tensors under HF names, written in pieces by each
     rank: it loads at another world size (in place, into weights the slots had already gathered), into

@@ -197,8 +197,19 @@ def encode_sft_example(tok, prompt: str, response: str, seq_len: int) -> tuple[l
 class SFTExamples:
     """Supervised fine-tuning on fixed prompt/response examples, each padded to seq_len."""
 
-    def __init__(self, pairs: list[tuple[str, str]], tok, seq_len: int):
+    def __init__(self, pairs: list[tuple[str, str]], tok, seq_len: int, what: str = "examples"):
         rows = [encode_sft_example(tok, p, r, seq_len) for p, r in pairs]
+        # An example whose prompt fills seq_len has no token to learn: a micro-batch of only such
+        # examples would average the loss over zero tokens (NaN). They are left out.
+        kept = [r for r in rows if any(label != IGNORE_INDEX for label in r[1])]
+        self.dropped = len(rows) - len(kept)
+        if not kept:
+            longest = max(len(tok.encode(p)) for p, _ in pairs)
+            raise ValueError(
+                f"every one of the {len(rows)} {what} has a prompt that fills --seq-len {seq_len} (the longest prompt "
+                f"is {longest} tokens), so no response token is left to learn: raise --seq-len or shorten the prompts"
+            )
+        rows = kept
         self.input_ids = torch.tensor([r[0] for r in rows], dtype=torch.long)
         self.labels = torch.tensor([r[1] for r in rows], dtype=torch.long)
         self.attention_mask = torch.tensor([r[2] for r in rows], dtype=torch.long)
@@ -231,8 +242,10 @@ def build_datasets(data: str | None, tok, seq_len: int, eval_fraction: float = 0
     """
     if data is not None and data.endswith(".jsonl"):
         train, held = split_train_eval(read_jsonl_pairs(data), eval_fraction)
-        return (SFTExamples(train, tok, seq_len), SFTExamples(held, tok, seq_len),
-                f"SFT {data}: {len(train)} train / {len(held)} held-out examples")
+        train, held = SFTExamples(train, tok, seq_len, "training examples"), SFTExamples(held, tok, seq_len, "held-out examples")
+        dropped = train.dropped + held.dropped
+        note = f" ({dropped} left out: their prompt fills --seq-len {seq_len})" if dropped else ""
+        return train, held, f"SFT {data}: {len(train)} train / {len(held)} held-out examples{note}"
     if data is None:
         docs, name = stdlib_documents(max_bytes), "Python stdlib sources"
     else:

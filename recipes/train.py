@@ -223,9 +223,18 @@ def build_model(cfg: TrainConfig, tok):
     if getattr(cfg, "config", None) is not None:
         hf_config = load_hf_config(cfg.config)
         _check_vocab(hf_config, tok, f"--config {cfg.config}")
+        positions = getattr(hf_config, "max_position_embeddings", None)
+        if positions is not None and positions < cfg.seq_len:  # random init trains every position (as the presets)
+            hf_config.max_position_embeddings = cfg.seq_len
         return AutoModelForCausalLM.from_config(hf_config).float()
     size = getattr(cfg, "model_size", None) or "tiny"
     return AutoModelForCausalLM.from_config(preset_config(size, tok, cfg.seq_len)).float()
+
+
+def _strict_json(record: dict) -> dict:
+    """``record`` with every NaN/inf number as None: JSON has no such numbers (``json.dumps`` would write
+    ``NaN``, which strict parsers refuse)."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
 
 
 def position_warning(hf_config, seq_len: int) -> str | None:
@@ -293,9 +302,14 @@ def setup(cfg: TrainConfig) -> Session:
 
     hf_model = build_model(cfg, tok)
     n_params = sum(p.numel() for p in hf_model.parameters())
-    warning = position_warning(hf_model.config, cfg.seq_len)
+    warning = position_warning(hf_model.config, cfg.seq_len)   # --model: its weights never saw those positions
     if is_main and warning:
         print(warning)
+    if is_main and getattr(cfg, "config", None) is not None and model_path is None:
+        given = getattr(load_hf_config(cfg.config), "max_position_embeddings", None)
+        if given is not None and given < cfg.seq_len:
+            print(f"note: max_position_embeddings raised from {given} (--config) to --seq-len {cfg.seq_len}, "
+                  "the positions this random-init run trains (the exported config says so)")
     model = yashard.shard(hf_model, weights=model_path, config=yashard.ShardConfig(
         param_dtype=DTYPES[cfg.param_dtype], reduce_dtype=torch.float32,
         checkpoint_layers=cfg.checkpoint_layers, reshard_after_forward=cfg.reshard_after_forward))
@@ -448,8 +462,7 @@ def train_loop(s: Session, profiler=None) -> list[dict]:
                     extra["grad_scaler"] = s.scaler.state_dict()
                 yashard.save_checkpoint(s.out_dir / "checkpoint", s.model, s.opt, extra=extra)
 
-        norm = float(grad_norm)   # not finite: a step the fp16 loss scaler skipped (JSON has no inf)
-        record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": norm if math.isfinite(norm) else None,
+        record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": float(grad_norm),  # inf: an fp16 step skipped
                   "tokens_per_s": s.tokens_per_step / dt, "elapsed": train_time}
         last = step + 1 == cfg.steps  # a --stop-at run logs exactly what the full run logs
         if last or (cfg.eval_every > 0 and (step + 1) % cfg.eval_every == 0):
@@ -458,7 +471,7 @@ def train_loop(s: Session, profiler=None) -> list[dict]:
                 bar.write(f"step {step + 1}: eval loss {record['eval_loss']:.4f}")
         history.append(record)
         if s.is_main and (last or "eval_loss" in record or (step + 1) % max(1, cfg.log_every) == 0):
-            log_file.write(json.dumps(record) + "\n")
+            log_file.write(json.dumps(_strict_json(record)) + "\n")
             log_file.flush()
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
                             mem=f"{memory_mb(device):.0f}MB", refresh=False)

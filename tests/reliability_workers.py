@@ -301,3 +301,22 @@ def scaler_lifetime(rank, world):
     gc.collect()
     out["without"] = poisoned_step(None)
     return out
+
+
+def fp16_scaler_misuse(rank, world, fused):
+    """An fp16 step with torch.amp.GradScaler (``fused``: AdamW(fused=True)); the error it raised, if
+    any, and the yashard warnings logged."""
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("yashard").addHandler(handler)
+    try:
+        scaler_steps(rank, world, "plain", fused, (), 2)
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    finally:
+        logging.getLogger("yashard").removeHandler(handler)
+    return error, [r.getMessage() for r in records if r.levelno >= logging.WARNING]

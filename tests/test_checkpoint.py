@@ -636,6 +636,25 @@ def test_error_bad_export_inputs(pg, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["file", "mine"]   # no temp directory left behind
 
 
+def test_export_over_a_model_folder_keeps_its_other_files(pg, tmp_path):
+    """As save_pretrained: tokenizer files, templates and subfolders stay; earlier weights go."""
+    sm, _ = _trained(steps=1)
+    dest = tmp_path / "hf"
+    yashard.export_hf(sm, dest, max_shard_size=100_000)       # several files + index
+    (dest / "tokenizer.json").write_text('{"t": 1}')
+    (dest / "chat_template.jinja").write_text("{{ x }}")
+    (dest / "extra").mkdir()
+    (dest / "extra" / "notes.md").write_text("n")
+    (dest / "pytorch_model.bin").write_bytes(b"stale")
+    yashard.export_hf(sm, dest)                                  # one file now
+    assert sorted(p.name for p in dest.iterdir()) == ["chat_template.jinja", "config.json", "extra",
+                                                       "generation_config.json", "model.safetensors", "tokenizer.json"]
+    assert (dest / "tokenizer.json").read_text() == '{"t": 1}' and (dest / "extra" / "notes.md").read_text() == "n"
+    got = load_file(str(dest / "model.safetensors"))
+    full = sm.full_state_dict()
+    assert all(torch.equal(got[k], full[k]) for k in got)
+
+
 def test_export_failure_keeps_the_previous_export(pg, tmp_path, monkeypatch):
     sm, _ = _trained(steps=1)
     yashard.export_hf(sm, tmp_path / "hf")

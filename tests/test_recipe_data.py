@@ -144,6 +144,20 @@ def test_sequences_longer_than_the_text_are_refused_naming_the_fixes(tmp_path):
         data.build_datasets(str(txt), tok, seq_len=5000, eval_fraction=0.1)
 
 
+def test_sft_examples_without_a_response_token_are_left_out_or_refused(tmp_path):
+    tok = data.ByteTokenizer()
+    jsonl = tmp_path / "sft.jsonl"
+    rows = [{"prompt": "p" * (30 if i % 2 else 3), "response": "ok"} for i in range(20)]
+    jsonl.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    train, held, desc = data.build_datasets(str(jsonl), tok, seq_len=16, eval_fraction=0.1)
+    assert (len(train), len(held)) == (9, 1) and desc.endswith("(10 left out: their prompt fills --seq-len 16)")
+    assert all((train.labels[i] != -100).any() for i in range(len(train)))
+    jsonl.write_text("\n".join(json.dumps({"prompt": "p" * 40, "response": "ok"}) for _ in range(20)) + "\n")
+    with pytest.raises(ValueError, match=r"every one of the 18 training examples has a prompt that fills --seq-len 16 "
+                                         r"\(the longest prompt is 40 tokens\), so no response token is left to learn"):
+        data.build_datasets(str(jsonl), tok, seq_len=16, eval_fraction=0.1)
+
+
 def test_lr_schedule_shape():
     kw = dict(lr=1e-3, warmup_steps=5, total_steps=50, min_lr_ratio=0.1)
     lrs = [lr_at(s, **kw) for s in range(50)]

@@ -438,6 +438,20 @@ def test_sequences_longer_than_the_models_positions_warn():
         "never trained. Lower --seq-len, or extend the context in the model's config (rope_scaling) first")
 
 
+def test_log_records_are_strict_json():
+    assert train._strict_json({"loss": float("nan"), "grad_norm": float("inf"), "lr": 0.5, "step": 3}) == \
+        {"loss": None, "grad_norm": None, "lr": 0.5, "step": 3}
+
+
+def test_a_random_init_config_gets_the_positions_it_trains(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({**TINY_CONFIG, "max_position_embeddings": 32}))
+    tok = data.ByteTokenizer()
+    model = train.build_model(pretrain.PretrainConfig(config=str(tmp_path), seq_len=64), tok)
+    assert model.config.max_position_embeddings == 64 and train.position_warning(model.config, 64) is None
+    model = train.build_model(pretrain.PretrainConfig(config=str(tmp_path), seq_len=16), tok)
+    assert model.config.max_position_embeddings == 32   # never lowered
+
+
 def test_model_size_presets():
     tok = data.ByteTokenizer()
     cfg = train.preset_config("small", tok, seq_len=512)

@@ -13,9 +13,10 @@ import torch
 import yashard
 
 from harness import run_distributed, run_until_exit
-from reliability_workers import (default_backend_step, die_or_stall, fp16_nonfinite_without_scaler, guard_run,
-                                 lm_head_too_early, nonfinite, nonfinite_skip_then_train, optimizer_before_shard,
-                                 prefetch_after_step, scaler_lifetime, scaler_steps, uneven_layers, uneven_micro_batches)
+from reliability_workers import (default_backend_step, die_or_stall, fp16_nonfinite_without_scaler, fp16_scaler_misuse,
+                                 guard_run, lm_head_too_early, nonfinite, nonfinite_skip_then_train,
+                                 optimizer_before_shard, prefetch_after_step, scaler_lifetime, scaler_steps, uneven_layers,
+                                 uneven_micro_batches)
 
 
 @pytest.mark.parametrize("where,clip,accum", [("forward", True, 1), ("grad", True, 1), ("grad", False, 1),
@@ -207,3 +208,17 @@ def test_sharded_grad_scaler_lifetime_copies_and_on_nonfinite_coming_back():
         assert out["with_first"] == ("ok", 512.0)   # the dropped second scaler did not unregister the first
         assert out["copy"].startswith("this ShardedGradScaler is a copy (deepcopy / unpickled) and is not attached")
         assert out["without"] == "NonFiniteError"
+
+
+def test_torch_amp_grad_scaler_is_refused_or_warned_about():
+    """A fused optimizer stepped by torch.amp.GradScaler carries its per-rank found_inf: refused on every
+    rank. Without one (the non-fused path cannot be seen) rank 0 warns once that fp16 wants
+    ShardedGradScaler."""
+    for error, _ in run_distributed(fp16_scaler_misuse, 2, True):
+        assert error.startswith("AdamW.step() from a torch.amp.GradScaler on a yashard model: each rank holds other "
+                                "gradient shards") and error.endswith("scaler = yashard.ShardedGradScaler(model): the "
+                                                                      "same API, with the check agreed across ranks")
+    for rank, (error, warnings) in enumerate(run_distributed(fp16_scaler_misuse, 2, False)):
+        assert error is None
+        assert len(warnings) == (1 if rank == 0 else 0), warnings   # once, not every step
+        assert all(w.startswith("param_dtype=float16 without yashard.ShardedGradScaler") for w in warnings)

@@ -90,8 +90,32 @@ def _before_step(optimizer, args, kwargs):
     for rt in _runtimes(optimizer, check=True):
         rt.check_grads_reduced(f"{type(optimizer).__name__}.step()")
         rt.check_no_new_parameters()
+        check_loss_scaling(rt, optimizer)
         step_checks(rt)
     return None
+
+
+def check_loss_scaling(rt, optimizer) -> None:
+    """fp16 needs a loss scaler whose ranks agree: refuse torch.amp.GradScaler's fused-optimizer path
+    (its ``found_inf`` is this rank's alone) and warn, once, about fp16 without ShardedGradScaler."""
+    if rt.has_grad_scaler():
+        return
+    if getattr(optimizer, "found_inf", None) is not None:  # set by torch.amp.GradScaler.step, fused path
+        raise RuntimeError(
+            f"{type(optimizer).__name__}.step() from a torch.amp.GradScaler on a yashard model: each rank holds other "
+            "gradient shards, so its inf check sees one rank's shards and the ranks skip different steps (their "
+            "weights and loss scales drift apart, or a rank waits forever in a collective the others skipped). Use "
+            "scaler = yashard.ShardedGradScaler(model): the same API, with the check agreed across ranks"
+        )
+    if rt.config.param_dtype == torch.float16 and not rt.warned_fp16:
+        rt.warned_fp16 = True
+        if rt.comm.rank == 0:
+            logger.warning(
+                "param_dtype=float16 without yashard.ShardedGradScaler: fp16 gradients underflow without loss "
+                "scaling, and torch.amp.GradScaler decides per rank (ranks holding other shards skip other steps: "
+                "they drift apart or wait in a collective the others skipped). Use scaler = "
+                "yashard.ShardedGradScaler(model)"
+            )
 
 
 def _after_step(optimizer, args, kwargs):

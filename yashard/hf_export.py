@@ -19,7 +19,9 @@ in, so the extra memory is one unit. With tied input/output embeddings only the 
 re-ties the output embedding to it (transformers lists it in ``_tied_weights_keys``).
 
 Atomic protocol: rank 0 writes into a fresh sibling directory ``.<name>.yashard-tmp-<random>``,
-fsyncs every file and the directory, then publishes it in one step: ``rename`` when ``path`` does not
+copies in what an existing ``path`` holds beside weights (tokenizer files, chat templates, READMEs:
+``save_pretrained`` leaves those too; weight files of an earlier save are dropped), fsyncs every file
+and the directory, then publishes it in one step: ``rename`` when ``path`` does not
 exist, else an atomic exchange of the two directories (Linux ``renameat2(RENAME_EXCHANGE)``) after
 which the old export is deleted. Where the exchange is unsupported (non-Linux, NFS) it falls back to
 two renames (old aside to ``.<name>.yashard-old-<random>``, new in): a crash between them leaves
@@ -123,10 +125,31 @@ def _prepare(dest: Path) -> Path:
     return tmp
 
 
+# Weight files of any earlier save in the folder: replaced by this export, never carried over.
+_WEIGHT_FILE = re.compile(r"(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?")
+
+
+def _carry_over(dest: Path, tmp: Path) -> None:
+    """Copy into ``tmp`` what ``dest`` holds beside weights and what the export writes (tokenizer
+    files, chat templates, READMEs, subfolders), as ``save_pretrained`` leaves them in place."""
+    if not dest.is_dir():
+        return
+    for f in dest.iterdir():
+        if (tmp / f.name).exists() or _WEIGHT_FILE.fullmatch(f.name):
+            continue
+        if f.is_dir() and not f.is_symlink():
+            shutil.copytree(f, tmp / f.name, symlinks=True)
+        else:
+            shutil.copy2(f, tmp / f.name, follow_symlinks=False)
+
+
 def _publish(tmp: Path, dest: Path) -> None:
-    for f in tmp.iterdir():
-        fsync_file(f)
-    fsync_dir(tmp)
+    _carry_over(dest, tmp)
+    for root, _, files in os.walk(tmp):
+        for name in files:
+            if not os.path.islink(os.path.join(root, name)):
+                fsync_file(os.path.join(root, name))
+        fsync_dir(root)
     if not dest.exists():
         os.rename(tmp, dest)
     elif exchange_dirs(tmp, dest):

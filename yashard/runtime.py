@@ -257,6 +257,7 @@ class Runtime:
         self._clip_finite = None  # (per-unit 'gradient is finite' flags, the grads' versions) of the last clip
         self.skipped_steps = 0
         self.grad_scalers = weakref.WeakSet()  # enabled ShardedGradScalers: they own non-finite gradients
+        self.warned_fp16 = False  # the fp16-without-ShardedGradScaler warning was logged
         guards.track(self, removed)  # weak references: the removed parameters are freed as usual
         self.model.to(self.device)  # moves the remaining buffers (rotary tables, ...)
 

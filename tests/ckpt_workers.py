@@ -257,3 +257,37 @@ def dcp_load_named(rank, world, path: str) -> dict:
     sm = yashard.shard(build("llama", seed=13))
     dcp.load({"model": sm.sharded_state_dict()}, checkpoint_id=path)
     return sm.full_state_dict()
+
+
+def dcp_train_resume(rank, world, root: str, start: int, stop: int, save_at: int | None, fused: bool) -> dict:
+    """Steps ``[start, stop)`` of a fixed stream with AdamW (``fused``) and clipping; at ``start`` > 0 the
+    model and optimizer come from the DCP checkpoint in ``root`` (at any world size); at ``save_at``
+    they are saved there. Losses per step and the final full weights."""
+    import torch.distributed.checkpoint as dcp
+
+    sm = yashard.shard(build("qwen2", seed=3, hidden_size=48, intermediate_size=70))
+    opt = torch.optim.AdamW(sm.param_groups(0.1), lr=1e-2, fused=fused)
+    if start:
+        sd = {"model": sm.sharded_state_dict(), "optim": sm.sharded_optim_state_dict(opt)}
+        dcp.load(sd, checkpoint_id=root)
+        sm.load_sharded_optim_state_dict(opt, sd["optim"])
+    losses = []
+    for step, ids in enumerate(batches(stop, 6, 8, 96, seed=5)):
+        if step < start:
+            continue
+        if step == 2:   # a schedule: the loaded learning rate must be the saved one
+            for g in opt.param_groups:
+                g["lr"] = 5e-3
+        part = ids.chunk(world)[rank]
+        loss = sm(input_ids=part, labels=part).loss
+        loss.backward()
+        sm.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        torch.distributed.all_reduce(total)
+        losses.append(total.item() / world)
+        if save_at == step + 1:
+            dcp.save({"model": sm.sharded_state_dict(), "optim": sm.sharded_optim_state_dict(opt)},
+                     checkpoint_id=root)
+    return dict(losses=losses, params=sm.full_state_dict(), lr=[g["lr"] for g in opt.param_groups])

@@ -181,6 +181,24 @@ class ShardedModel(nn.Module):
 
         return sharded_state_dict(self._runtime)
 
+    def sharded_optim_state_dict(self, optimizer) -> dict:
+        """``optimizer``'s state for ``torch.distributed.checkpoint``, by HF parameter name, in the
+        layout FSDP2's optimizers have there (``{"state": {name: {...}}, "param_groups": [...]}``):
+        state tensors are full-shape views of this rank's part, loaded in place. Creates the state if
+        the optimizer has none yet (one step at learning rate 0 with zero gradients, as FSDP does):
+        call it on every rank. After ``dcp.load``, apply the saved hyperparameters with
+        :meth:`load_sharded_optim_state_dict`."""
+        from .dcp import sharded_optim_state_dict
+
+        return sharded_optim_state_dict(self._runtime, optimizer)
+
+    def load_sharded_optim_state_dict(self, optimizer, state_dict: dict) -> None:
+        """Finish loading what ``dcp.load`` put into a :meth:`sharded_optim_state_dict`: set each param
+        group's hyperparameters (learning rate, betas, ...) to those saved for the same parameters."""
+        from .dcp import load_sharded_optim_state_dict
+
+        load_sharded_optim_state_dict(self._runtime, optimizer, state_dict)
+
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Full fp32 gradients by HF name (zeros where none). Collective: call on every rank."""
         return self._runtime.gather_full("grads")

@@ -14,8 +14,14 @@ store full-shape tensors under HF names, as FSDP2 and a plain model's ``state_di
 checkpoint saved by yashard at one world size loads at any other, into FSDP2, or into an unsharded
 model (``dcp.load(hf_model.state_dict(), ..., no_dist=True)``), and theirs load into yashard. Loads
 write the masters through views that share their version counter, so the runtime sees them change
-(gathered weights and ``param_dtype`` copies are refreshed). Optimizer state is not part of it: use
-:func:`yashard.save_checkpoint` for resumable training state.
+(gathered weights and ``param_dtype`` copies are refreshed).
+
+:meth:`ShardedModel.sharded_optim_state_dict` does the same for an optimizer's state, in the layout
+``torch.distributed.checkpoint.state_dict`` gives FSDP2's optimizers (``{"state": {name: {...}},
+"param_groups": [...]}``): each state tensor shaped like a master shard becomes one
+:class:`ShardedParameter` per parameter over it. ``opt.state_dict()`` itself must never go into
+DCP: it holds this rank's flat shards under keys every rank shares, which DCP takes for replicated
+state and keeps once.
 
 ``dcp.async_save`` needs :class:`SnapshotStager` (``async_stager=yashard.dcp.SnapshotStager()``): it
 copies each rank's boxes to CPU memory before training goes on (DCP's default stager would try to
@@ -115,25 +121,117 @@ class SnapshotStager(AsyncStager):
         pass
 
 
+def _entry_views(u, flat: torch.Tensor, rank: int) -> list[ShardedParameter]:
+    """Per layout entry of unit ``u``: the :class:`ShardedParameter` over ``flat`` (a tensor shaped like
+    the unit's shard: the master or an optimizer state of it), named by the entry's first HF name."""
+    held = {p.entry: p for p in shard_pieces(u.layout, rank)}
+    out = []
+    for i, (entry, fqns) in enumerate(zip(u.layout.entries, u.fqns)):
+        boxes = []
+        piece = held.get(i)
+        if entry.numel == 0 and rank == 0:  # no element to hold, but the name must reach the checkpoint
+            boxes.append((torch.Size([0] * len(entry.shape)), flat.narrow(0, 0, 0).view(entry.shape)))
+        elif piece is not None:
+            base = piece.shard_start - piece.entry_start  # index in ``flat`` of the entry's element 0
+            for offsets, sizes, start in flat_range_boxes(entry.shape, piece.entry_start, piece.entry_end):
+                n = 1
+                for size in sizes:
+                    n *= size
+                boxes.append((torch.Size(offsets), flat.narrow(0, base + start, n).view(sizes)))
+        out.append(ShardedParameter(torch.Size(entry.shape), boxes, flat.dtype, flat.device, fqns[0]))
+    return out
+
+
 def sharded_state_dict(rt) -> dict[str, ShardedParameter]:
     """Every HF parameter name (tied names included) -> its :class:`ShardedParameter` on this rank."""
-    rank = rt.comm.shard_rank
     out: dict[str, ShardedParameter] = {}
     for u in rt.units:
-        master = u.master.detach()  # shares the version counter: a load is seen as a change
-        held = {p.entry: p for p in shard_pieces(u.layout, rank)}
-        for i, (entry, fqns) in enumerate(zip(u.layout.entries, u.fqns)):
-            boxes = []
-            piece = held.get(i)
-            if entry.numel == 0 and rank == 0:  # no element to hold, but the name must reach the checkpoint
-                boxes.append((torch.Size([0] * len(entry.shape)), master.narrow(0, 0, 0).view(entry.shape)))
-            elif piece is not None:
-                base = piece.shard_start - piece.entry_start  # master index of the entry's element 0
-                for offsets, sizes, start in flat_range_boxes(entry.shape, piece.entry_start, piece.entry_end):
-                    n = 1
-                    for s in sizes:
-                        n *= s
-                    boxes.append((torch.Size(offsets), master.narrow(0, base + start, n).view(sizes)))
+        # the master's detach() shares its version counter: a load is seen as a change
+        for view, fqns in zip(_entry_views(u, u.master.detach(), rt.comm.shard_rank), u.fqns):
             for fqn in fqns:
-                out[fqn] = ShardedParameter(torch.Size(entry.shape), boxes, master.dtype, master.device, fqn)
+                out[fqn] = view if fqn == fqns[0] else ShardedParameter(view.shape, view.boxes, view.dtype,
+                                                                        view.device, fqn)
     return out
+
+
+def _units_of(rt, optimizer) -> list[list]:
+    """Per param group of ``optimizer``, the units whose masters it holds (refusing anything else)."""
+    by_master = {id(u.master): u for u in rt.units}
+    groups = []
+    for g in optimizer.param_groups:
+        units = []
+        for p in g["params"]:
+            u = by_master.get(id(p))
+            if u is None:
+                raise ValueError(
+                    f"{type(optimizer).__name__} holds a parameter of shape {tuple(p.shape)} that is not a master "
+                    "shard of this model: build the optimizer from model.param_groups(weight_decay) or "
+                    "model.parameters() of the model passed here"
+                )
+            units.append(u)
+        groups.append(units)
+    return groups
+
+
+@torch.no_grad()
+def _init_state(rt, optimizer, units: list) -> None:
+    """Create the optimizer's state for masters that have none, as FSDP does: one step with zero
+    gradients at learning rate 0 (no weight changes; the state it makes is overwritten by the load)."""
+    saved = [(u.master.grad, u.grad_unwritten) for u in units]
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    try:
+        for u in units:
+            u.master.grad = torch.zeros_like(u.master)
+        for g in optimizer.param_groups:
+            g["lr"] = 0.0 if not torch.is_tensor(g["lr"]) else torch.zeros_like(g["lr"])
+        optimizer.step()
+    finally:
+        for g, lr in zip(optimizer.param_groups, lrs):
+            g["lr"] = lr
+        for u, (grad, unwritten) in zip(units, saved):
+            u.master.grad, u.grad_unwritten = grad, unwritten
+
+
+def sharded_optim_state_dict(rt, optimizer) -> dict:
+    """``{"state": {name: {key: value}}, "param_groups": [{..., "params": [names]}]}`` for DCP, in the
+    layout torch.distributed.checkpoint.state_dict gives FSDP2's optimizers: per HF parameter (its
+    first name), each state tensor shaped like the master shard as a :class:`ShardedParameter` over
+    it, other state values as they are. Collective when the optimizer has no state yet (it is
+    created first: :func:`_init_state`), so call it on every rank."""
+    groups = _units_of(rt, optimizer)
+    units = [u for g in groups for u in g]
+    if any(not optimizer.state.get(u.master) for u in units):
+        _init_state(rt, optimizer, units)
+    rank = rt.comm.shard_rank
+    state: dict[str, dict] = {}
+    for u in units:
+        per_key = {}
+        for key, value in optimizer.state[u.master].items():
+            if torch.is_tensor(value) and value.shape == u.master.shape and value.dim() == 1:
+                per_key[key] = _entry_views(u, value, rank)
+        for i, fqns in enumerate(u.fqns):
+            state[fqns[0]] = {key: per_key[key][i] if key in per_key else value
+                              for key, value in optimizer.state[u.master].items()}
+    param_groups = [{**{k: v for k, v in g.items() if k != "params"},
+                     "params": [fqns[0] for u in units for fqns in u.fqns]}
+                    for g, units in zip(optimizer.param_groups, groups)]
+    return {"state": state, "param_groups": param_groups}
+
+
+def load_sharded_optim_state_dict(rt, optimizer, state_dict: dict) -> None:
+    """After ``dcp.load`` filled ``state_dict`` (from :func:`sharded_optim_state_dict` of this
+    optimizer; its tensors are loaded in place): set each param group's hyperparameters to those of
+    the saved group holding the same parameters."""
+    groups = _units_of(rt, optimizer)
+    saved = state_dict.get("param_groups")
+    if not isinstance(saved, list):
+        raise ValueError("the optimizer state dict has no 'param_groups' list: pass the dict dcp.load filled")
+    for g, units in zip(optimizer.param_groups, groups):
+        if not units:
+            continue
+        first = units[0].fqns[0][0]
+        match = [sg for sg in saved if first in sg.get("params", ())]
+        if not match:
+            raise ValueError(f"no saved param group holds {first}; the checkpoint's groups hold "
+                             f"{', '.join(str(sg.get('params', [])[:2]) for sg in saved)}")
+        g.update({k: v for k, v in match[0].items() if k != "params"})

@@ -291,3 +291,43 @@ def dcp_train_resume(rank, world, root: str, start: int, stop: int, save_at: int
             dcp.save({"model": sm.sharded_state_dict(), "optim": sm.sharded_optim_state_dict(opt)},
                      checkpoint_id=root)
     return dict(losses=losses, params=sm.full_state_dict(), lr=[g["lr"] for g in opt.param_groups])
+
+
+def _third_step(model, opt, rank, world):
+    ids = batches(3, 6, 8, 96, seed=5)[2].chunk(world)[rank]   # global batch 6 at world 2 and 3
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def fsdp2_train_save_continue(rank, world, root: str) -> dict:
+    """FSDP2 AdamW (matrices decayed, 1-D parameters not: yashard's grouping), two steps, a DCP save
+    of model and optimizer through torch's state_dict helpers, then a third step; the full weights."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    model = _fsdp2("qwen2", {"tie_word_embeddings": True}, 3, world)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
+                             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0, "lr": 7e-3}], lr=1e-2)
+    for ids in batches(2, 6, 8, 96, seed=5):
+        part = ids.chunk(world)[rank]
+        model(input_ids=part, labels=part).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=root)
+    _third_step(model, opt, rank, world)
+    return {k: v.full_tensor() for k, v in model.state_dict().items()}
+
+
+def yashard_load_continue(rank, world, root: str) -> dict:
+    """yashard loads that checkpoint (model and AdamW state) and takes the third step; the full weights."""
+    import torch.distributed.checkpoint as dcp
+
+    sm = yashard.shard(build("qwen2", seed=11, tie_word_embeddings=True))
+    opt = torch.optim.AdamW(sm.param_groups(0.1), lr=1e-3)
+    sd = {"model": sm.sharded_state_dict(), "optim": sm.sharded_optim_state_dict(opt)}
+    dcp.load(sd, checkpoint_id=root)
+    sm.load_sharded_optim_state_dict(opt, sd["optim"])
+    _third_step(sm, opt, rank, world)
+    return sm.full_state_dict()

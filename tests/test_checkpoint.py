@@ -22,7 +22,8 @@ from safetensors.torch import load_file, save_file
 
 import yashard
 from ckpt_workers import (DCP_MODELS, EXPORT_LIMIT, dcp_async_save, dcp_load, dcp_load_named, dcp_save,
-                          dcp_train_resume, fsdp2_dcp, run_segments, save_then_killed_save, segment)
+                          dcp_train_resume, fsdp2_dcp, fsdp2_train_save_continue, run_segments, save_then_killed_save,
+                          segment, yashard_load_continue)
 from harness import run_distributed as launch, run_until_exit
 from models import batches, build
 from workers import rel_err
@@ -778,3 +779,75 @@ def test_dcp_model_and_optimizer_resume_the_run(tmp_path, fused):
     other = launch(dcp_train_resume, 3, str(tmp_path), 3, 5, None, fused)[0]
     assert max(abs(a - b) / b for a, b in zip(other["losses"], whole["losses"][3:])) < 1e-5
     _assert_close(other["params"], whole["params"], "qwen2")
+
+
+class _DecayIgnoringLr(torch.optim.Optimizer):
+    """A toy optimizer that decays its parameters whatever the learning rate (as HF's Adafactor with
+    relative steps), keeping a shard-shaped buffer and, with ``scalar``, a per-rank 0-d statistic."""
+
+    def __init__(self, params, lr=1e-2, scalar=False):
+        super().__init__(params, dict(lr=lr))
+        self.scalar = scalar
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                st.setdefault("buf", torch.zeros_like(p)).add_(p.grad + 1.0)
+                if self.scalar:
+                    st["rms"] = p.norm()
+                p.mul_(0.9)
+
+
+def test_dcp_optimizer_state_of_a_fresh_optimizer_changes_nothing(pg):
+    """Creating the state (a zero-lr step) leaves the weights and the run as they were: the weights
+    are put back (this optimizer decays whatever lr says) and the new state is zeroed."""
+    sm, opt = _fresh(opt_cls=_DecayIgnoringLr)
+    before = sm.full_state_dict()
+    sd = sm.sharded_optim_state_dict(opt)
+    assert all(torch.equal(v, before[k]) for k, v in sm.full_state_dict().items())
+    assert all(not s["buf"].any() for s in opt.state.values())
+    a, opt_a = _fresh()
+    b, opt_b = _fresh()
+    b.sharded_optim_state_dict(opt_b)              # AdamW: step 0, zero moments, as if untouched
+    for sm_, opt_ in ((a, opt_a), (b, opt_b)):
+        for x in batches(3, 2, 8, 96, seed=2):
+            sm_(input_ids=x, labels=x).loss.backward()
+            opt_.step()
+            opt_.zero_grad()
+    assert all(torch.equal(v, a.full_state_dict()[k]) for k, v in b.full_state_dict().items())
+    assert set(sd["state"]) == {fqns[0] for u in sm.runtime.units for fqns in u.fqns}
+
+
+def test_dcp_optimizer_state_refuses_per_rank_scalars_and_regrouped_checkpoints(pg):
+    sm, opt = _fresh(opt_cls=_DecayIgnoringLr, scalar=True)
+    with pytest.raises(ValueError, match=r"_DecayIgnoringLr keeps state 'rms' \(shape \(\)\) computed from this rank's "
+                                         r"shard alone; DCP would store one rank's value for every rank"):
+        sm.sharded_optim_state_dict(opt)
+    sm, opt = _trained()
+    sd = sm.sharded_optim_state_dict(opt)
+    norms = sd["param_groups"][1]["params"]
+    regrouped = [dict(sd["param_groups"][0]), {**sd["param_groups"][1], "params": norms[:2]},
+                 {**sd["param_groups"][1], "params": norms[2:], "weight_decay": 0.1}]
+    with pytest.raises(ValueError, match=r"param group 1 of AdamW \(e\.g\. model\.layers\.0\.input_layernorm\.weight\) holds "
+                                         r"parameters that the checkpoint keeps in groups \[1, 2\], which differ in "
+                                         r"weight_decay: yashard keeps a unit's parameters in one group"):
+        sm.load_sharded_optim_state_dict(opt, {"state": sd["state"], "param_groups": regrouped})
+    sd["param_groups"][0]["lr"] = 0.125                 # the matching case: hyperparameters applied
+    sm.load_sharded_optim_state_dict(opt, sd)
+    assert opt.param_groups[0]["lr"] == 0.125
+
+
+def test_an_fsdp2_training_checkpoint_continues_under_yashard():
+    """Model + AdamW state saved by FSDP2 (torch's get_model/optimizer_state_dict) at world 2, loaded
+    by yashard at world 3 (moments, step counts and each group's learning rate): the next step gives
+    FSDP2's own next step, to fp32 rounding."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as root:
+        theirs = launch(fsdp2_train_save_continue, 2, root)[0]
+        ours = launch(yashard_load_continue, 3, root)[0]
+    _assert_close({k: ours[k] for k in theirs}, theirs, "fsdp2 -> yashard")

@@ -175,21 +175,37 @@ def _units_of(rt, optimizer) -> list[list]:
 
 @torch.no_grad()
 def _init_state(rt, optimizer, units: list) -> None:
-    """Create the optimizer's state for masters that have none, as FSDP does: one step with zero
-    gradients at learning rate 0 (no weight changes; the state it makes is overwritten by the load)."""
+    """Create the optimizer's state for the masters of ``units`` that have none, as FSDP does: one
+    step with zero gradients at learning rate 0, taken by those masters only (the others have no
+    gradient for it). Then the weights are put back as they were (an optimizer that ignores ``lr``
+    may still have applied weight decay) and every new state tensor is zeroed, ``step`` included: the
+    state a fresh optimizer's first step would start from (SGD with ``dampening`` aside)."""
+    fresh = [u for u in units if not optimizer.state.get(u.master)]
+    others = [u for u in units if optimizer.state.get(u.master)]
     saved = [(u.master.grad, u.grad_unwritten) for u in units]
+    weights = [u.master.detach().clone() for u in fresh]
     lrs = [g["lr"] for g in optimizer.param_groups]
+    warned = rt.warned_fp16
     try:
-        for u in units:
+        for u in fresh:
             u.master.grad = torch.zeros_like(u.master)
+        for u in others:
+            u.master.grad = None
         for g in optimizer.param_groups:
             g["lr"] = 0.0 if not torch.is_tensor(g["lr"]) else torch.zeros_like(g["lr"])
         optimizer.step()
     finally:
+        rt.warned_fp16 = warned   # the fp16 warning belongs to the first real step
         for g, lr in zip(optimizer.param_groups, lrs):
             g["lr"] = lr
         for u, (grad, unwritten) in zip(units, saved):
             u.master.grad, u.grad_unwritten = grad, unwritten
+        for u, w in zip(fresh, weights):
+            u.master.detach().copy_(w)
+    for u in fresh:
+        for value in optimizer.state.get(u.master, {}).values():
+            if torch.is_tensor(value):
+                value.zero_()
 
 
 def sharded_optim_state_dict(rt, optimizer) -> dict:
@@ -209,6 +225,12 @@ def sharded_optim_state_dict(rt, optimizer) -> dict:
         for key, value in optimizer.state[u.master].items():
             if torch.is_tensor(value) and value.shape == u.master.shape and value.dim() == 1:
                 per_key[key] = _entry_views(u, value, rank)
+            elif torch.is_tensor(value) and key != "step":
+                raise ValueError(
+                    f"{type(optimizer).__name__} keeps state {key!r} (shape {tuple(value.shape)}) computed from this "
+                    "rank's shard alone; DCP would store one rank's value for every rank. Only state shaped like "
+                    "the master shards and a shared 'step' can go through DCP: save with yashard.save_checkpoint"
+                )
         for i, fqns in enumerate(u.fqns):
             state[fqns[0]] = {key: per_key[key][i] if key in per_key else value
                               for key, value in optimizer.state[u.master].items()}
@@ -220,18 +242,37 @@ def sharded_optim_state_dict(rt, optimizer) -> dict:
 
 def load_sharded_optim_state_dict(rt, optimizer, state_dict: dict) -> None:
     """After ``dcp.load`` filled ``state_dict`` (from :func:`sharded_optim_state_dict` of this
-    optimizer; its tensors are loaded in place): set each param group's hyperparameters to those of
-    the saved group holding the same parameters."""
+    optimizer; its tensors were loaded in place): put its non-tensor state values back into the
+    optimizer, and set each param group's hyperparameters to those of the saved group that holds its
+    parameters. The saved groups must hold the same parameters as this optimizer's (DCP itself
+    refuses a checkpoint with fewer groups: "Missing key ... param_groups.<i>...")."""
     groups = _units_of(rt, optimizer)
     saved = state_dict.get("param_groups")
-    if not isinstance(saved, list):
-        raise ValueError("the optimizer state dict has no 'param_groups' list: pass the dict dcp.load filled")
-    for g, units in zip(optimizer.param_groups, groups):
-        if not units:
-            continue
-        first = units[0].fqns[0][0]
-        match = [sg for sg in saved if first in sg.get("params", ())]
-        if not match:
-            raise ValueError(f"no saved param group holds {first}; the checkpoint's groups hold "
-                             f"{', '.join(str(sg.get('params', [])[:2]) for sg in saved)}")
-        g.update({k: v for k, v in match[0].items() if k != "params"})
+    if not isinstance(saved, list) or not isinstance(state_dict.get("state"), dict):
+        raise ValueError("the optimizer state dict has no 'state' dict or 'param_groups' list: pass the dict "
+                         "model.sharded_optim_state_dict(opt) made and dcp.load filled")
+    for units in groups:
+        for u in units:
+            loaded = state_dict["state"].get(u.fqns[0][0], {})
+            for key, value in loaded.items():
+                if not torch.is_tensor(value):
+                    optimizer.state[u.master][key] = value
+    group_of = {name: i for i, sg in enumerate(saved) for name in sg.get("params", ())}
+    for gi, (g, units) in enumerate(zip(optimizer.param_groups, groups)):
+        names = [fqns[0] for u in units for fqns in u.fqns]
+        missing = [n for n in names if n not in group_of]
+        if missing:
+            raise ValueError(f"param group {gi} holds {missing[0]}, which no saved param group holds "
+                             f"({len(saved)} saved groups)")
+        found = sorted({group_of[n] for n in names})
+        hyper = [{k: v for k, v in saved[i].items() if k != "params"} for i in found]
+        if any(h != hyper[0] for h in hyper[1:]):
+            differ = sorted(k for k in hyper[0] if any(h.get(k) != hyper[0][k] for h in hyper[1:]))
+            raise ValueError(
+                f"param group {gi} of {type(optimizer).__name__} (e.g. {names[0]}) holds parameters that the "
+                f"checkpoint keeps in groups {found}, which differ in {', '.join(differ)}: yashard keeps a unit's "
+                "parameters in one group (model.param_groups puts every matrix in the decay group and the norm "
+                "group in the no-decay one); regroup the saving run the same way, or set the hyperparameters by hand"
+            )
+        if hyper:
+            g.update(hyper[0])

@@ -280,16 +280,12 @@ def _config_dict(hf) -> dict | None:
 # Save
 
 
-def _optimizer_meta(optimizer, rt: "Runtime") -> dict | None:
-    """Classify the optimizer's state (sharded tensors / replicated scalars) and encode its groups."""
-    if optimizer is None:
-        return None
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+def optimizer_units(rt: "Runtime", optimizer) -> list[list]:
+    """Per param group of ``optimizer``, the units whose master shards it holds (refusing anything else)."""
     unit_of = {id(u.master): u for u in rt.units}
     groups = []
     for gi, g in enumerate(optimizer.param_groups):
-        names = []
+        units = []
         for p in g["params"]:
             u = unit_of.get(id(p))
             if u is None:
@@ -297,7 +293,20 @@ def _optimizer_meta(optimizer, rt: "Runtime") -> dict | None:
                     f"optimizer param group {gi} holds a tensor of shape {tuple(p.shape)} that is not a master "
                     "shard of this model; build the optimizer from model.parameters() or model.param_groups(...)"
                 )
-            names.append(u.name)
+            units.append(u)
+        groups.append(units)
+    return groups
+
+
+def _optimizer_meta(optimizer, rt: "Runtime") -> dict | None:
+    """Classify the optimizer's state (sharded tensors / replicated scalars) and encode its groups."""
+    if optimizer is None:
+        return None
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+    groups = []
+    for gi, (g, units) in enumerate(zip(optimizer.param_groups, optimizer_units(rt, optimizer))):
+        names = [u.name for u in units]
         hparams = {k: encode_value(v, f"optimizer.param_groups[{gi}][{k!r}]") for k, v in g.items() if k != "params"}
         groups.append({"units": names, "hparams": hparams})
     state = {}

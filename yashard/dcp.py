@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from .checkpoint import optimizer_units
 from .layout import flat_range_boxes, shard_pieces
 
 
@@ -154,25 +155,6 @@ def sharded_state_dict(rt) -> dict[str, ShardedParameter]:
     return out
 
 
-def _units_of(rt, optimizer) -> list[list]:
-    """Per param group of ``optimizer``, the units whose masters it holds (refusing anything else)."""
-    by_master = {id(u.master): u for u in rt.units}
-    groups = []
-    for g in optimizer.param_groups:
-        units = []
-        for p in g["params"]:
-            u = by_master.get(id(p))
-            if u is None:
-                raise ValueError(
-                    f"{type(optimizer).__name__} holds a parameter of shape {tuple(p.shape)} that is not a master "
-                    "shard of this model: build the optimizer from model.param_groups(weight_decay) or "
-                    "model.parameters() of the model passed here"
-                )
-            units.append(u)
-        groups.append(units)
-    return groups
-
-
 @torch.no_grad()
 def _init_state(rt, optimizer, units: list) -> None:
     """Create the optimizer's state for the masters of ``units`` that have none, as FSDP does: one
@@ -214,7 +196,7 @@ def sharded_optim_state_dict(rt, optimizer) -> dict:
     first name), each state tensor shaped like the master shard as a :class:`ShardedParameter` over
     it, other state values as they are. Collective when the optimizer has no state yet (it is
     created first: :func:`_init_state`), so call it on every rank."""
-    groups = _units_of(rt, optimizer)
+    groups = optimizer_units(rt, optimizer)
     units = [u for g in groups for u in g]
     if any(not optimizer.state.get(u.master) for u in units):
         _init_state(rt, optimizer, units)
@@ -246,7 +228,7 @@ def load_sharded_optim_state_dict(rt, optimizer, state_dict: dict) -> None:
     optimizer, and set each param group's hyperparameters to those of the saved group that holds its
     parameters. The saved groups must hold the same parameters as this optimizer's (DCP itself
     refuses a checkpoint with fewer groups: "Missing key ... param_groups.<i>...")."""
-    groups = _units_of(rt, optimizer)
+    groups = optimizer_units(rt, optimizer)
     saved = state_dict.get("param_groups")
     if not isinstance(saved, list) or not isinstance(state_dict.get("state"), dict):
         raise ValueError("the optimizer state dict has no 'state' dict or 'param_groups' list: pass the dict "

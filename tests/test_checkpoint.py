@@ -836,6 +836,13 @@ def test_dcp_optimizer_state_refuses_per_rank_scalars_and_regrouped_checkpoints(
                                          r"parameters that the checkpoint keeps in groups \[1, 2\], which differ in "
                                          r"weight_decay: yashard keeps a unit's parameters in one group"):
         sm.load_sharded_optim_state_dict(opt, {"state": sd["state"], "param_groups": regrouped})
+    missing = [{**sd["param_groups"][0], "params": sd["param_groups"][0]["params"][1:]}, sd["param_groups"][1]]
+    with pytest.raises(ValueError, match=r"param group 0 holds model\.embed_tokens\.weight, which no saved param group "
+                                         r"holds \(2 saved groups\)"):
+        sm.load_sharded_optim_state_dict(opt, {"state": sd["state"], "param_groups": missing})
+    with pytest.raises(ValueError, match=r"the optimizer state dict has no 'state' dict or 'param_groups' list: pass "
+                                         r"the dict model\.sharded_optim_state_dict\(opt\) made and dcp\.load filled"):
+        sm.load_sharded_optim_state_dict(opt, sd["state"])
     sd["param_groups"][0]["lr"] = 0.125                 # the matching case: hyperparameters applied
     sm.load_sharded_optim_state_dict(opt, sd)
     assert opt.param_groups[0]["lr"] == 0.125

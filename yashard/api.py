@@ -176,7 +176,7 @@ class ShardedModel(nn.Module):
         ``torch.distributed.checkpoint``: ``dcp.save(model.sharded_state_dict(), checkpoint_id=path)``
         writes each rank's part; ``dcp.load(model.sharded_state_dict(), checkpoint_id=path)`` fills the
         masters in place, from a checkpoint of any world size, of FSDP2 or of an unsharded model
-        (:mod:`yashard.dcp`). Weights only (optimizer state: :func:`yashard.save_checkpoint`)."""
+        (:mod:`yashard.dcp`). Optimizer state: :meth:`sharded_optim_state_dict`."""
         from .dcp import sharded_state_dict
 
         return sharded_state_dict(self._runtime)

@@ -32,6 +32,8 @@ interleave with training's.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
@@ -135,10 +137,7 @@ def _entry_views(u, flat: torch.Tensor, rank: int) -> list[ShardedParameter]:
         elif piece is not None:
             base = piece.shard_start - piece.entry_start  # index in ``flat`` of the entry's element 0
             for offsets, sizes, start in flat_range_boxes(entry.shape, piece.entry_start, piece.entry_end):
-                n = 1
-                for size in sizes:
-                    n *= size
-                boxes.append((torch.Size(offsets), flat.narrow(0, base + start, n).view(sizes)))
+                boxes.append((torch.Size(offsets), flat.narrow(0, base + start, math.prod(sizes)).view(sizes)))
         out.append(ShardedParameter(torch.Size(entry.shape), boxes, flat.dtype, flat.device, fqns[0]))
     return out
 

@@ -212,9 +212,7 @@ def flat_range_boxes(shape: Sequence[int], lo: int, hi: int) -> list[tuple[tuple
     partial trailing row, each cut the same way one dimension down. A 0-d tensor is one box.
     """
     shape = tuple(int(s) for s in shape)
-    total = 1
-    for s in shape:
-        total *= s
+    total = math.prod(shape)
     if not 0 <= lo <= hi <= total:
         raise ValueError(f"range [{lo}, {hi}) is outside a tensor of shape {shape} ({total} elements)")
     if lo == hi:

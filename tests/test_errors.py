@@ -717,6 +717,23 @@ def test_weights_read_outside_the_forward_raise_instead_of_showing_another_layer
         q0.nonexistent  # other missing attributes keep torch's message
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_print_model_shows_the_unsharded_modules(pg, family):
+    """print(model) reads shapes in extra_repr (RMSNorm: weight.shape; Linear: bias is not None, and
+    Qwen2's q/k/v projections have sharded biases): it shows what the unsharded model shows, before a
+    forward, after one, and inside one (where the running layer's attributes are real views)."""
+    model = build(family, num_hidden_layers=2)
+    before = repr(model)
+    sm = yashard.shard(model)
+    assert repr(sm.module) == before and repr(sm).startswith(f"ShardedModel(\n  (module): {type(model).__name__}(\n")
+    seen = []
+    sm.module.model.layers[1].register_forward_pre_hook(lambda m, a: seen.append(repr(m)))
+    _loss(sm).backward()
+    assert repr(sm.module) == before and seen == [repr(model.model.layers[1])]
+    assert torch.equal(sm.module.model.layers[1].input_layernorm.weight,
+                       build(family, num_hidden_layers=2).model.layers[1].input_layernorm.weight)  # views kept
+
+
 def test_a_parameter_added_after_shard_is_refused_at_the_step(pg):
     sm = yashard.shard(build())
     opt = torch.optim.AdamW(sm.parameters(), lr=1e-3)

@@ -228,7 +228,7 @@ class Runtime:
                 removed[p] = fqns[0]
                 for (module, attr), fqn in zip(locs, fqns):
                     module._parameters.pop(attr, None)
-                    _mark_sharded(module, attr, fqn)
+                    _mark_sharded(module, attr, fqn, p.shape)
             self.units.append(unit)
             if kind == "layer":
                 self.layers.append(unit)
@@ -911,16 +911,18 @@ def _squares_per_tensor(ts: list[torch.Tensor]) -> torch.Tensor:
 _MARKED_CLASSES: dict[type, type] = {}
 
 
-def _mark_sharded(module: nn.Module, attr: str, fqn: str) -> None:
+def _mark_sharded(module: nn.Module, attr: str, fqn: str, shape: torch.Size) -> None:
     """Give ``module`` (an HF submodule that lost parameter ``attr`` to a shard) a same-named
-    subclass of its class whose missing-attribute error says where the parameter went."""
+    subclass of its class whose missing-attribute error says where the parameter went, and whose
+    ``extra_repr`` (``print(model)``: ``RMSNorm`` and ``Linear`` read their weight's shape or test
+    their bias there) sees shape-only meta tensors in the parameters' place."""
     cls = type(module)
     if cls not in _MARKED_CLASSES.values():
         def __getattr__(self, name):
             try:
                 return cls.__getattr__(self, name)
             except AttributeError:
-                fqn = self.__dict__.get("_yashard_sharded", {}).get(name)
+                fqn, _ = self.__dict__.get("_yashard_sharded", {}).get(name, (None, None))
                 if fqn is None:
                     raise
                 raise AttributeError(
@@ -929,8 +931,19 @@ def _mark_sharded(module: nn.Module, attr: str, fqn: str) -> None:
                     "(a collective: every rank calls it) or write them with yashard.export_hf"
                 ) from None
 
-        module.__class__ = same_named_subclass(cls, _MARKED_CLASSES, {"__getattr__": __getattr__})
-    module.__dict__.setdefault("_yashard_sharded", {})[attr] = fqn
+        def extra_repr(self):
+            stand_ins = {a: torch.empty(shape, device="meta") for a, (_, shape) in self.__dict__["_yashard_sharded"].items()
+                         if a not in self.__dict__}  # (not over views the runtime set for a running layer)
+            self.__dict__.update(stand_ins)  # (instance attributes are found before __getattr__ is asked)
+            try:
+                return cls.extra_repr(self)
+            finally:
+                for a in stand_ins:
+                    del self.__dict__[a]
+
+        module.__class__ = same_named_subclass(cls, _MARKED_CLASSES,
+                                               {"__getattr__": __getattr__, "extra_repr": extra_repr})
+    module.__dict__.setdefault("_yashard_sharded", {})[attr] = (fqn, torch.Size(shape))
 
 
 def _nonfinite(t: torch.Tensor) -> torch.Tensor:

@@ -248,6 +248,35 @@ def scaler_steps(rank, world, kind, fused, poison_steps=(0,), steps=2, dtype=tor
     return out
 
 
+def scaler_floor(rank, world, min_scale, steps=6):
+    """fp16 whose forward overflows from step 2 on (layer 1's output times 1e9 on every rank): the
+    loss is NaN, no scale helps. Per step: the loss, the scale after update(), the masters changed;
+    then the error update() raised (None if none)."""
+    sm = yashard.shard(build(num_hidden_layers=2), config=yashard.ShardConfig(param_dtype=torch.float16))
+    opt = torch.optim.AdamW(sm.param_groups(0.1), lr=1e-3)
+    scaler = yashard.ShardedGradScaler(sm, init_scale=4.0, **({} if min_scale == "default" else {"min_scale": min_scale}))
+    step_no = [0]
+    sm.module.model.layers[1].register_forward_hook(lambda m, a, out: (out * 1e9) if step_no[0] >= 2 else out)
+    out = []
+    try:
+        for step in range(steps):
+            step_no[0] = step
+            ids = batches(step + 1, 2 * world, 8, 96)[step].chunk(world)[rank]
+            loss = sm(input_ids=ids, labels=ids).loss
+            scaler.scale(loss).backward()
+            before = [u.master.detach().clone() for u in sm.runtime.units]
+            scaler.step(opt)
+            opt.zero_grad()
+            try:
+                scaler.update()
+            finally:
+                stepped = any(not torch.equal(b, u.master) for b, u in zip(before, sm.runtime.units))
+                out.append((loss.item(), scaler.get_scale(), stepped))
+    except yashard.NonFiniteError as e:
+        return out, str(e)
+    return out, None
+
+
 def fp16_nonfinite_without_scaler(rank, world):
     """The error an inf gradient raises in an fp16 run without loss scaling."""
     try:

@@ -13,7 +13,7 @@ import torch
 import yashard
 
 from harness import run_distributed, run_until_exit
-from reliability_workers import (default_backend_step, die_or_stall, fp16_nonfinite_without_scaler, fp16_scaler_misuse,
+from reliability_workers import (scaler_floor, default_backend_step, die_or_stall, fp16_nonfinite_without_scaler, fp16_scaler_misuse,
                                  guard_run, lm_head_too_early, nonfinite, nonfinite_skip_then_train,
                                  optimizer_before_shard, prefetch_after_step, scaler_lifetime, scaler_steps, uneven_layers,
                                  uneven_micro_batches)
@@ -189,6 +189,26 @@ def test_fp16_training_with_the_sharded_scaler_follows_fp32():
         assert all(stepped for stepped, _, _ in a) and [s for _, s, _ in a] == [1024.0] * 5
         la, lb = [x[2] for x in a], [x[2] for x in b]
         assert la != lb and max(abs(x - y) / y for x, y in zip(la, lb)) < 1e-2, (la, lb)
+
+
+def test_sharded_grad_scaler_stops_a_run_whose_forward_overflows():
+    """A forward that overflows float16 gives NaN gradients at any scale: the scaler skips and halves
+    until the scale falls below min_scale (1.0 by default), then raises on every rank at the same
+    step, naming the fix. min_scale=None keeps skipping, as torch.amp.GradScaler does."""
+    for out, error in run_distributed(scaler_floor, 2, "default"):
+        assert [s for _, s, _ in out] == [4.0, 4.0, 2.0, 1.0, 0.5], out
+        assert [stepped for _, _, stepped in out] == [True, True, False, False, False], out
+        assert all(math.isfinite(loss) for loss, _, _ in out[:2]) and all(math.isnan(loss) for loss, _, _ in out[2:])
+        assert error is not None and error.startswith(
+            "ShardedGradScaler: 3 optimizer step(s) in a row were skipped for non-finite gradients and the loss scale "
+            "fell to 0.5, below min_scale=1: "), error
+        assert "param_dtype=torch.bfloat16 or torch.float32" in error and error.endswith("min_scale=None to keep skipping steps")
+    for out, error in run_distributed(scaler_floor, 2, None):
+        assert error is None and [s for _, s, _ in out] == [4.0, 4.0, 2.0, 1.0, 0.5, 0.25], out
+    for out, error in run_distributed(scaler_floor, 2, 0.25, 8):
+        assert len(out) == 7 and out[-1][1] == 0.125 and error.startswith("ShardedGradScaler: 5 optimizer step(s)"), error
+    with pytest.raises(RuntimeError, match=r"ValueError: ShardedGradScaler: min_scale=8\.0 must be > 0 and at most init_scale=4\.0"):
+        run_distributed(scaler_floor, 1, 8.0)
 
 
 def test_sharded_grad_scaler_needs_the_sharded_model():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .checkpoint import _runtime
+from .guards import NonFiniteError
 
 
 class ShardedGradScaler(torch.amp.GradScaler):
@@ -28,18 +29,31 @@ class ShardedGradScaler(torch.amp.GradScaler):
         intends). The step check all-gathers whether one exists, so every rank decides alike.
       * a copy (``copy.deepcopy``, unpickled) is detached from the model and refuses to unscale;
         move state with ``state_dict()`` / ``load_state_dict()``.
+      * it stops a run that cannot recover: when ``update()`` lowers the scale below ``min_scale``
+        (default 1.0, as DeepSpeed's ``min_loss_scale``), it raises :class:`yashard.NonFiniteError`
+        saying how many steps in a row were skipped. Gradients that are not finite at a scale
+        under 1 are not an fp16 range problem loss scaling can fix: usually the forward itself
+        overflows float16 (the loss is inf), and a plain ``GradScaler`` would skip every step from
+        then on without a word. ``min_scale=None`` turns the check off. All ranks hold the same
+        scale, so all raise at the same step.
       * one collective per check, issued on every rank, so call ``unscale_`` / ``step`` on every
         rank, as with the rest of the training step. ``state_dict()`` holds plain numbers (it can
         go into ``save_checkpoint(extra=...)``).
     """
 
     def __init__(self, model, *, init_scale: float = 2.0**16, growth_factor: float = 2.0,
-                 backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True):
+                 backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True,
+                 min_scale: float | None = 1.0):
         rt = _runtime(model, "ShardedGradScaler")
+        if min_scale is not None and not 0 < min_scale <= init_scale:
+            raise ValueError(f"ShardedGradScaler: min_scale={min_scale} must be > 0 and at most init_scale={init_scale} "
+                             "(or None, for no lower bound)")
         super().__init__(rt.device.type, init_scale=init_scale, growth_factor=growth_factor,
                          backoff_factor=backoff_factor, growth_interval=growth_interval, enabled=enabled)
         self._comm = rt.comm
         self._device_of_model = rt.device
+        self.min_scale = min_scale
+        self._skipped_in_a_row = 0
         if self.is_enabled():
             rt.grad_scalers.add(self)
 
@@ -48,6 +62,21 @@ class ShardedGradScaler(torch.amp.GradScaler):
         state = super().__getstate__()
         state["_comm"] = None
         return state
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        if not self.is_enabled() or new_scale is not None:
+            return super().update(new_scale)
+        found = [v for state in self._per_optimizer_states.values() for v in state["found_inf_per_device"].values()]
+        skipped = bool(sum(v.item() for v in found))  # (GradScaler.step synced on these already)
+        super().update()  # (raises if no step recorded an inf check)
+        self._skipped_in_a_row = self._skipped_in_a_row + 1 if skipped else 0
+        if skipped and self.min_scale is not None and (scale := self.get_scale()) < self.min_scale:
+            raise NonFiniteError(
+                f"ShardedGradScaler: {self._skipped_in_a_row} optimizer step(s) in a row were skipped for non-finite "
+                f"gradients and the loss scale fell to {scale:g}, below min_scale={self.min_scale:g}: the gradients "
+                "are not finite at any scale, which loss scaling cannot fix. If the loss is inf or NaN, the forward "
+                "overflows float16 (values past 65504): train with param_dtype=torch.bfloat16 or torch.float32; if the "
+                "loss is finite, look at the learning rate and the data. Pass min_scale=None to keep skipping steps")
 
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
         if self._comm is None:

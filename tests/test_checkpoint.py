@@ -737,6 +737,29 @@ def test_dcp_async_save_with_the_snapshot_stager(tmp_path):
     assert set(got) == set(before) and all(torch.equal(got[k], before[k]) for k in before)
 
 
+def test_dcp_async_save_in_process_mode(tmp_path):
+    """Process mode pickles the staged state dict to a background process: the stager's snapshots
+    pickle (live views refuse it), and what lands is the weights at the async_save call."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from harness import _free_port
+
+    root = Path(__file__).resolve().parent.parent
+    ckpt, weights = tmp_path / "ckpt", tmp_path / "before.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+           str(root / "tests" / "dcp_process_save.py"), str(ckpt), str(weights)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(root), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])}
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert "Error" not in proc.stderr, proc.stderr[-5000:]
+    before = torch.load(weights)
+    got = launch(dcp_load_named, 1, str(ckpt))[0]
+    assert set(got) == set(before) and all(torch.equal(got[k], before[k]) for k in before)
+
+
 def test_a_parameter_with_no_elements_reaches_the_dcp_checkpoint(pg, tmp_path):
     import torch.distributed.checkpoint as dcp
 

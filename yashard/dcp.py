@@ -27,7 +27,8 @@ state and keeps once.
 copies each rank's boxes to CPU memory before training goes on (DCP's default stager would try to
 allocate every parameter's full shape). Give it a process group of its own
 (``process_group=dist.new_group(backend="gloo")``), as DCP advises: its collectives then never
-interleave with training's.
+interleave with training's. The process mode (``AsyncCheckpointerType.PROCESS``) works too: the
+stager's copies pickle to DCP's background process.
 """
 
 from __future__ import annotations
@@ -48,14 +49,18 @@ class ShardedParameter(torch.Tensor):
 
     Contract: it is a container for DCP, not a tensor to compute with (every operation on it raises);
     ``boxes`` lists ``(offsets, view)`` per box this rank holds, possibly none; the union over the
-    ranks of a shard group is the whole parameter, each element exactly once.
+    ranks of a shard group is the whole parameter, each element exactly once. One over live views of
+    the masters refuses pickling; a ``snapshot`` (:class:`SnapshotStager`'s CPU copies) pickles, so
+    ``dcp.async_save``'s process mode can hand it to its background process.
     """
 
     @staticmethod
-    def __new__(cls, shape: torch.Size, boxes: list[tuple[torch.Size, torch.Tensor]], dtype, device, name: str):
+    def __new__(cls, shape: torch.Size, boxes: list[tuple[torch.Size, torch.Tensor]], dtype, device, name: str,
+                snapshot: bool = False):
         r = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device, requires_grad=False)
         r.boxes = boxes
         r.fqn = name
+        r.snapshot = snapshot
         return r
 
     def __repr__(self) -> str:  # noqa: D105
@@ -63,10 +68,13 @@ class ShardedParameter(torch.Tensor):
                 f"{sum(v.numel() for _, v in self.boxes)} elements on this rank in {len(self.boxes)} boxes)")
 
     def __reduce_ex__(self, protocol):
+        if self.snapshot:
+            return _rebuild_snapshot, (tuple(self.shape), [(tuple(o), v) for o, v in self.boxes], self.dtype, self.fqn)
         raise TypeError(
             f"pickling (torch.save) a yashard ShardedParameter ({self.fqn}) would keep only this rank's part; save "
             "with dcp.save(model.sharded_state_dict(), checkpoint_id=path) or yashard.save_checkpoint, or torch.save "
-            "model.full_state_dict() (a collective) on one rank"
+            "model.full_state_dict() (a collective) on one rank (dcp.async_save, thread or process mode, takes "
+            "async_stager=yashard.dcp.SnapshotStager())"
         )
 
     @classmethod
@@ -98,13 +106,20 @@ class ShardedParameter(torch.Tensor):
         raise ValueError(f"{self.fqn}: this rank holds no box at offset {tuple(index.offset or ())}")
 
 
+def _rebuild_snapshot(shape: tuple, boxes: list, dtype: torch.dtype, fqn: str) -> ShardedParameter:
+    """Unpickle a snapshot :class:`ShardedParameter` (in ``dcp.async_save``'s background process)."""
+    return ShardedParameter(torch.Size(shape), [(torch.Size(o), v) for o, v in boxes], dtype, torch.device("cpu"),
+                            fqn, snapshot=True)
+
+
 class SnapshotStager(AsyncStager):
     """The stager for ``dcp.async_save(model.sharded_state_dict(), ..., async_stager=SnapshotStager())``.
 
     Contract: ``stage`` returns the state dict with every :class:`ShardedParameter` rebuilt over CPU
     copies of this rank's boxes (and every other tensor copied to CPU), taken when ``async_save`` is
-    called; the masters may change as soon as it returns. Extra memory: this rank's shard of the
-    weights, in CPU memory, until the save finishes.
+    called; the masters may change as soon as it returns. The snapshots pickle, so the process mode
+    (``async_checkpointer_type=AsyncCheckpointerType.PROCESS``) works as well as the default thread
+    mode. Extra memory: this rank's shard of the weights, in CPU memory, until the save finishes.
     """
 
     _synchronize_after_execute = False
@@ -115,7 +130,7 @@ class SnapshotStager(AsyncStager):
         def snap(t: torch.Tensor) -> torch.Tensor:
             if isinstance(t, ShardedParameter):
                 return ShardedParameter(t.shape, [(o, v.to("cpu", copy=True)) for o, v in t.boxes], t.dtype,
-                                        torch.device("cpu"), t.fqn)
+                                        torch.device("cpu"), t.fqn, snapshot=True)
             return t.detach().to("cpu", copy=True)
 
         return tree_map_only(torch.Tensor, snap, state_dict)

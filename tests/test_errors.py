@@ -677,6 +677,20 @@ def test_generate_matches_the_unsharded_model(pg, family):
     assert got.shape == (2, 10) and torch.equal(got, want)
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_hf_parameter_counts_include_the_sharded_parameters(pg, tied):
+    """HF's num_parameters() counts the module's own parameters, and a sharded HF module has none
+    left: it counts what the unsharded model counts (tied weights once; without embeddings too).
+    get_memory_footprint() is this rank's master shards plus the buffers."""
+    ref = build("qwen2", tie_word_embeddings=tied)
+    sm = yashard.shard(build("qwen2", tie_word_embeddings=tied))
+    for kw in ({}, {"only_trainable": True}, {"exclude_embeddings": True}):
+        assert sm.num_parameters(**kw) == sm.module.num_parameters(**kw) == ref.num_parameters(**kw) > 0, kw
+    assert ref.num_parameters(exclude_embeddings=True) < ref.num_parameters()
+    buffers = sum(b.numel() * b.element_size() for b in sm.module.buffers())
+    assert sm.module.get_memory_footprint() == sum(p.numel() * 4 for p in sm.parameters()) + buffers
+
+
 def test_dtype_and_device_conversions_are_refused(pg):
     sm = yashard.shard(build())
     masters = [p.data_ptr() for p in sm.parameters()]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import weakref
 
 import torch
 from torch import nn
@@ -88,11 +89,14 @@ def _check_conversion(fn, device: torch.device) -> None:
         )
 
 
-def _answer_device_and_dtype(module: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+def _answer_device_and_dtype(module: nn.Module, runtime: Runtime) -> None:
     """HF reads a model's ``device`` and ``dtype`` from its first parameter (``generate()``,
-    ``save_pretrained``), and a sharded HF module has none left: give the module a subclass of its
-    class (same name, cached per class) whose ``device`` is the runtime's device and whose
-    ``dtype`` is the compute dtype (``param_dtype``)."""
+    ``save_pretrained``), and counts parameters over the module's own (``num_parameters``,
+    ``get_memory_footprint``), and a sharded HF module has none left: give the module a subclass of
+    its class (same name, cached per class) whose ``device`` is the runtime's device, whose
+    ``dtype`` is the compute dtype (``param_dtype``), and whose counts include the sharded
+    parameters: ``num_parameters`` the model's (unpadded, tied ones once, as the unsharded model
+    counts them), ``get_memory_footprint`` this rank's bytes of them (its fp32 master shards)."""
     cls = type(module)
     if not isinstance(getattr(cls, "device", None), property):
         return  # not an HF model: nothing reads these
@@ -101,13 +105,36 @@ def _answer_device_and_dtype(module: nn.Module, device: torch.device, dtype: tor
         _check_conversion(fn, self.__dict__["_yashard_device"])
         return cls._apply(self, fn, recurse)
 
-    module.__class__ = same_named_subclass(cls, _SHARDED_CLASSES, {
+    def _units(self):
+        rt = self.__dict__["_yashard_runtime"]()
+        if rt is None:
+            raise RuntimeError("the yashard runtime of this module is gone (its ShardedModel was dropped)")
+        return rt.units
+
+    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+        skip = ({f"{name}.weight" for name, m in self.named_modules() if isinstance(m, nn.Embedding)}
+                if exclude_embeddings else set())
+        sharded = sum(entry.numel for u in _units(self) for entry, fqns in zip(u.layout.entries, u.fqns)
+                      if not skip.intersection(fqns))  # (every sharded parameter is trainable)
+        return cls.num_parameters(self, only_trainable, exclude_embeddings) + sharded
+
+    def get_memory_footprint(self, return_buffers=True):
+        masters = sum(u.master.numel() * u.master.element_size() for u in _units(self))
+        return cls.get_memory_footprint(self, return_buffers) + masters
+
+    members = {
         "_apply": _apply,
         "device": property(lambda self: self.__dict__["_yashard_device"], doc="The sharded model's device."),
         "dtype": property(lambda self: self.__dict__["_yashard_dtype"], doc="The compute dtype (param_dtype)."),
-    })
-    module.__dict__["_yashard_device"] = device
-    module.__dict__["_yashard_dtype"] = dtype
+    }
+    if hasattr(cls, "num_parameters"):
+        members["num_parameters"] = num_parameters
+    if hasattr(cls, "get_memory_footprint"):
+        members["get_memory_footprint"] = get_memory_footprint
+    module.__class__ = same_named_subclass(cls, _SHARDED_CLASSES, members)
+    module.__dict__["_yashard_device"] = runtime.device
+    module.__dict__["_yashard_dtype"] = runtime.config.param_dtype
+    module.__dict__["_yashard_runtime"] = weakref.ref(runtime)
 
 
 class ShardedModel(nn.Module):
@@ -125,7 +152,7 @@ class ShardedModel(nn.Module):
         self.module = module
         self.shards = nn.ParameterDict({u.name: u.master for u in runtime.units})
         object.__setattr__(self, "_runtime", runtime)
-        _answer_device_and_dtype(module, runtime.device, runtime.config.param_dtype)
+        _answer_device_and_dtype(module, runtime)
         for m in (self, module):  # module too: HF's save_pretrained reads its state_dict
             m.register_state_dict_pre_hook(_refuse_state_dict)
             m.register_load_state_dict_pre_hook(_refuse_load_state_dict)

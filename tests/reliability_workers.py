@@ -248,6 +248,43 @@ def scaler_steps(rank, world, kind, fused, poison_steps=(0,), steps=2, dtype=tor
     return out
 
 
+def backward_raises_then_training_goes_on(rank, world, set_to_none, accum):
+    """The "skip the batch that ran out of memory" pattern: after step 0, step 1's last micro-batch's
+    backward raises on every rank (in layer 2's backward, after the layers above it reduced; earlier
+    micro-batches' gradients are already in .grad), the loop catches it, calls
+    ``zero_grad(set_to_none)`` (None: does not) and goes on. Steps 2-3 must then match a run that
+    never saw step 1 (losses, final weights)."""
+    def run(fail):
+        sm, opt = _setup()
+        boom = {"on": False}
+
+        def raise_once(module, grad_in, grad_out):
+            if boom["on"]:
+                boom["on"] = False
+                raise RuntimeError("simulated out of memory")
+
+        sm.module.model.layers[2].register_full_backward_hook(raise_once)
+        micro = [lambda: None] * accum
+        losses = [_step(sm, opt, rank, world, 0, before_micro=micro)]
+        if fail:  # step 1: every micro-batch but the last goes through, the last one's backward raises
+            parts = batches(2, 2 * world, 8, 96)[1].chunk(world)[rank].chunk(accum)
+            for part in parts[:-1]:
+                (sm(input_ids=part, labels=part).loss / accum).backward()
+            boom["on"] = True
+            try:
+                sm(input_ids=parts[-1], labels=parts[-1]).loss.backward()
+                raise AssertionError("the backward did not raise")
+            except RuntimeError as e:
+                assert "simulated out of memory" in str(e), e
+            if set_to_none is not None:
+                opt.zero_grad(set_to_none=set_to_none)
+        losses += [_step(sm, opt, rank, world, s, before_micro=micro) for s in (2, 3)]
+        return losses, sm.full_state_dict()
+
+    (la, wa), (lb, wb) = run(True), run(False)
+    return la == lb and all(torch.equal(wa[k], wb[k]) for k in wb), la, lb
+
+
 def scaler_floor(rank, world, min_scale, steps=6):
     """fp16 whose forward overflows from step 2 on (layer 1's output times 1e9 on every rank): the
     loss is NaN, no scale helps. Per step: the loss, the scale after update(), the masters changed;

@@ -13,7 +13,7 @@ import torch
 import yashard
 
 from harness import run_distributed, run_until_exit
-from reliability_workers import (scaler_floor, default_backend_step, die_or_stall, fp16_nonfinite_without_scaler, fp16_scaler_misuse,
+from reliability_workers import (backward_raises_then_training_goes_on, scaler_floor, default_backend_step, die_or_stall, fp16_nonfinite_without_scaler, fp16_scaler_misuse,
                                  guard_run, lm_head_too_early, nonfinite, nonfinite_skip_then_train,
                                  optimizer_before_shard, prefetch_after_step, scaler_lifetime, scaler_steps, uneven_layers,
                                  uneven_micro_batches)
@@ -189,6 +189,15 @@ def test_fp16_training_with_the_sharded_scaler_follows_fp32():
         assert all(stepped for stepped, _, _ in a) and [s for _, s, _ in a] == [1024.0] * 5
         la, lb = [x[2] for x in a], [x[2] for x in b]
         assert la != lb and max(abs(x - y) / y for x, y in zip(la, lb)) < 1e-2, (la, lb)
+
+
+@pytest.mark.parametrize("set_to_none,accum", [(True, 1), (False, 1), (True, 2), (False, 2), (None, 1)])
+def test_a_backward_that_raises_leaves_training_able_to_go_on(set_to_none, accum):
+    """A raising backward drops autograd's final callback; the next forward resets the runtime and
+    zeroes what the failed backward reached, so the run goes on exactly as if the failed batch had
+    never been seen, with either zero_grad or none (None)."""
+    for same, la, lb in run_distributed(backward_raises_then_training_goes_on, 2, set_to_none, accum):
+        assert same, (la, lb)
 
 
 def test_sharded_grad_scaler_stops_a_run_whose_forward_overflows():

@@ -67,6 +67,7 @@ class Runtime:
         self.require_grad_sync = True  # False inside ShardedModel.no_sync()
         self._fwd_sync = True       # require_grad_sync at the latest grad-enabled forward (its backward's)
         self.in_backward = False
+        self._discard_reductions = False
         self.pending: list[Pending] = []
         self._last_reduction: Pending | None = None  # R6: the reduction writing reduce_out
         self.comm_hook = reduce_scatter_hook   # how each unit's gradients are reduced (comm_hooks.py)
@@ -383,6 +384,8 @@ class Runtime:
         per optimizer step, however many micro-batches it has; so are the units gathered right
         after the step (:meth:`after_optimizer_step`) and, with gradient accumulation, the layers
         the previous backward left in the slots."""
+        if self.in_backward:
+            self._recover_from_failed_backward()
         self._drain()
         self.streams.capture_compute()
         grad = torch.is_grad_enabled()
@@ -621,6 +624,8 @@ class Runtime:
             with record_function("yashard::post_divide"):
                 if replicas is not None:
                     self.comm.all_reduce(value, unit.name, replicas)
+                if self._discard_reductions:  # a failed backward's, waited for by the next forward
+                    return
                 if not unit.grad_unwritten:
                     master.grad.add_(value, alpha=scale)
                 elif value.dtype == torch.float32:  # = 0 + scale * value, as add_ would give
@@ -658,6 +663,34 @@ class Runtime:
                 if u.views_until == "backward":
                     u.remove_views()
         finally:
+            self.in_backward = False
+
+    def _recover_from_failed_backward(self) -> None:
+        """Run by the next forward when a backward raised (autograd then drops its final callback,
+        :meth:`_end_backward`): its reductions in flight are waited for and thrown away, the
+        gradients of every unit it reached are zeroed (where ``.grad`` is still attached: a
+        ``zero_grad(set_to_none=True)`` since stays), and the gradient slots are released, so the
+        next backward starts clean and the same on every device (the "skip the batch that ran out of
+        memory" pattern: catch, ``zero_grad()``, go on)."""
+        logger.warning("yashard: the previous backward did not finish (it raised); the gradients of the units it "
+                       "reached are zeroed and the runtime is reset for the next backward")
+        self._discard_reductions = True
+        try:
+            self._drain()
+        finally:
+            self._discard_reductions = False
+            reached = [u for u in self.units if (u.reduced_in_pass or u.grad_unwritten or u.grad_claimed)
+                       and u.master.grad is u.grad_storage]
+            if reached:
+                torch._foreach_zero_([u.grad_storage for u in reached])
+            for u in self.units:
+                u.grad_unwritten = False
+                u.grad_claimed = False
+                u.reduced_in_pass = False
+                if u.views_until == "backward":
+                    u.remove_views()
+            for slot in self.slots.values():
+                slot.grad_owner = None
             self.in_backward = False
 
     @record_function("yashard::drain")

@@ -285,6 +285,37 @@ def backward_raises_then_training_goes_on(rank, world, set_to_none, accum):
     return la == lb and all(torch.equal(wa[k], wb[k]) for k in wb), la, lb
 
 
+def torch_clip_on_masters(rank, world):
+    """torch.nn.utils.clip_grad_norm_(model.parameters()) (what Accelerate and HF Trainer call) on two
+    twin sharded models against model.clip_grad_norm_; then the refusals."""
+    a, _ = _setup()
+    b, _ = _setup()
+    ids = batches(1, 2 * world, 8, 96)[0].chunk(world)[rank]
+    for sm in (a, b):
+        sm(input_ids=ids, labels=ids).loss.backward()
+    full = a.full_grads()
+    want = torch.cat([g.flatten() for g in full.values()]).double().norm()  # (tied names would count twice; none here)
+    got_torch = torch.nn.utils.clip_grad_norm_(a.parameters(), 0.5)
+    got_model = b.clip_grad_norm_(0.5)
+    out = dict(norms=(got_torch.item(), got_model.item(), want.item()),
+               same_grads=all(torch.equal(p.grad, q.grad) for p, q in zip(a.parameters(), b.parameters())))
+    errors = {}
+    for name, call in (("some", lambda: torch.nn.utils.clip_grad_norm_(list(a.parameters())[:2], 1.0)),
+                       ("mixed", lambda: torch.nn.utils.clip_grad_norm_([*a.parameters(), torch.ones(2, requires_grad=True)], 1.0)),
+                       ("total", lambda: torch.nn.utils.get_total_norm([p.grad for p in a.parameters()]))):
+        try:
+            call()
+            errors[name] = None
+        except ValueError as e:
+            errors[name] = str(e)
+    plain = torch.ones(3, requires_grad=True)
+    plain.grad = torch.full((3,), 2.0)
+    out["plain"] = (torch.nn.utils.clip_grad_norm_([plain], 1.0).item(), plain.grad.tolist(),
+                    torch.nn.utils.get_total_norm([plain.grad]).item())
+    out["errors"] = errors
+    return out
+
+
 def scaler_floor(rank, world, min_scale, steps=6):
     """fp16 whose forward overflows from step 2 on (layer 1's output times 1e9 on every rank): the
     loss is NaN, no scale helps. Per step: the loss, the scale after update(), the masters changed;

@@ -748,6 +748,26 @@ def test_print_model_shows_the_unsharded_modules(pg, family):
                        build(family, num_hidden_layers=2).model.layers[1].input_layernorm.weight)  # views kept
 
 
+@pytest.mark.parametrize("kind", ["Adafactor", "LBFGS", "ZeroRedundancyOptimizer"])
+def test_optimizers_that_need_whole_parameters_are_refused(pg, kind):
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    sm = yashard.shard(build())
+    make = {"Adafactor": lambda: torch.optim.Adafactor(sm.parameters(), lr=1e-2),
+            "LBFGS": lambda: torch.optim.LBFGS(sm.parameters()),
+            "ZeroRedundancyOptimizer": lambda: ZeroRedundancyOptimizer(sm.parameters(), torch.optim.AdamW, lr=1e-3)}
+    opt = make[kind]()
+    before = [p.detach().clone() for p in sm.parameters()]
+    ids = torch.randint(0, 96, (2, 8))
+    sm(input_ids=ids, labels=ids).loss.backward()
+    match = (r"ZeroRedundancyOptimizer over yashard master shards: .* use the plain torch\.optim optimizer"
+             if kind == "ZeroRedundancyOptimizer" else
+             rf"{kind} over yashard master shards: its update depends on each parameter's shape .* Use an element-wise")
+    with pytest.raises(TypeError, match=match):
+        opt.step((lambda: sm(input_ids=ids, labels=ids).loss) if kind == "LBFGS" else None)
+    assert all(torch.equal(a, p) for a, p in zip(before, sm.parameters()))
+
+
 def test_a_parameter_added_after_shard_is_refused_at_the_step(pg):
     sm = yashard.shard(build())
     opt = torch.optim.AdamW(sm.parameters(), lr=1e-3)

@@ -13,7 +13,7 @@ import torch
 import yashard
 
 from harness import run_distributed, run_until_exit
-from reliability_workers import (backward_raises_then_training_goes_on, scaler_floor, default_backend_step, die_or_stall, fp16_nonfinite_without_scaler, fp16_scaler_misuse,
+from reliability_workers import (backward_raises_then_training_goes_on, torch_clip_on_masters, scaler_floor, default_backend_step, die_or_stall, fp16_nonfinite_without_scaler, fp16_scaler_misuse,
                                  guard_run, lm_head_too_early, nonfinite, nonfinite_skip_then_train,
                                  optimizer_before_shard, prefetch_after_step, scaler_lifetime, scaler_steps, uneven_layers,
                                  uneven_micro_batches)
@@ -198,6 +198,25 @@ def test_a_backward_that_raises_leaves_training_able_to_go_on(set_to_none, accum
     never been seen, with either zero_grad or none (None)."""
     for same, la, lb in run_distributed(backward_raises_then_training_goes_on, 2, set_to_none, accum):
         assert same, (la, lb)
+
+
+def test_torch_clip_grad_norm_on_a_sharded_model_clips_by_the_global_norm():
+    """torch's clip sums the squares of the gradients it is given: on master shards that would be
+    each rank's own norm. Given exactly a sharded model's parameters it clips by the global norm,
+    bitwise what model.clip_grad_norm_ does; part of them, or them mixed with other tensors, and
+    get_total_norm of their gradients raise; plain tensors keep torch's behaviour."""
+    outs = run_distributed(torch_clip_on_masters, 2)
+    for out in outs:
+        got_torch, got_model, want = out["norms"]
+        assert got_torch == got_model and abs(got_torch - want) / want < 1e-6, out["norms"]
+        assert out["same_grads"]
+        assert out["errors"]["some"].startswith("torch.nn.utils.clip_grad_norm_ got yashard master shards mixed")
+        assert out["errors"]["mixed"] == out["errors"]["some"]
+        assert out["errors"]["total"].startswith("torch.nn.utils.get_total_norm got gradients of yashard master shards")
+        norm = math.sqrt(12.0)
+        assert out["plain"][0] == pytest.approx(norm) and out["plain"][2] == pytest.approx(1.0, rel=1e-5)
+        assert out["plain"][1] == pytest.approx([2.0 / (norm + 1e-6)] * 3)
+    assert outs[0]["norms"] == outs[1]["norms"]
 
 
 def test_sharded_grad_scaler_stops_a_run_whose_forward_overflows():

@@ -64,6 +64,68 @@ def track(runtime, removed: dict[torch.nn.Parameter, str]) -> None:
     if not _handles:
         _handles.append(register_optimizer_step_pre_hook(_before_step))
         _handles.append(register_optimizer_step_post_hook(_after_step))
+        _wrap_torch_clip()
+
+
+def _wrap_torch_clip() -> None:
+    """Make ``torch.nn.utils.clip_grad_norm_`` right for a sharded model's parameters.
+
+    torch's function sums the squares of the gradients it is given, and on a yashard model those are
+    this rank's shards only: each rank would clip by another, local norm (code that calls torch's
+    clip for you does this: Accelerate, HF Trainer). Given exactly the master shards of one sharded
+    model, the wrapper clips by the global norm (:meth:`Runtime.clip_grad_norm_`, a collective:
+    every rank calls it, as with torch's); given some of them, or them and other tensors, it raises;
+    anything else goes to torch's function unchanged. ``get_total_norm`` of master gradients raises
+    (it would be this rank's norm). Code that bound the function before the first ``yashard.shard``
+    (``from torch.nn.utils import clip_grad_norm_``) keeps torch's: call ``model.clip_grad_norm_``."""
+    import functools
+
+    import torch.nn.utils as nn_utils
+    import torch.nn.utils.clip_grad as clip_module
+
+    torch_clip = clip_module.clip_grad_norm_
+    torch_total = getattr(nn_utils, "get_total_norm", None)  # (clip_grad's _get_total_norm, exported)
+
+    @functools.wraps(torch_clip)
+    def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        owners = [(ref() if (ref := _owners.get(p)) is not None else None) for p in params]
+        runtimes = {id(rt): rt for rt in owners if rt is not None}
+        if not runtimes:
+            return torch_clip(params, max_norm, norm_type, error_if_nonfinite, foreach)
+        rt = next(iter(runtimes.values()))
+        if len(runtimes) > 1 or None in owners or {id(p) for p in params} != {id(u.master) for u in rt.units}:
+            raise ValueError(
+                "torch.nn.utils.clip_grad_norm_ got yashard master shards mixed with other tensors, or only some "
+                "of a sharded model's shards: the global norm is defined over one whole model. Clip each sharded "
+                "model with model.clip_grad_norm_(max_norm), or pass exactly model.parameters()"
+            )
+        total = rt.clip_grad_norm_(max_norm, norm_type)
+        if error_if_nonfinite and not bool(torch.isfinite(total)):
+            raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
+                               "non-finite, so it cannot be clipped (error_if_nonfinite=True)")
+        return total
+
+    clip_grad_norm_.__wrapped__ = torch_clip
+    nn_utils.clip_grad_norm_ = clip_module.clip_grad_norm_ = clip_grad_norm_
+    if torch_total is None:
+        return
+
+    @functools.wraps(torch_total)
+    def get_total_norm(tensors, *args, **kwargs):
+        ts = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        runtimes = {id(rt): rt for _, ref in list(_owners._data.values()) if (rt := ref()) is not None}
+        masters_grads = {id(u.master.grad) for rt in runtimes.values() for u in rt.units if u.master.grad is not None}
+        if any(id(t) in masters_grads for t in ts):
+            raise ValueError(
+                "torch.nn.utils.get_total_norm got gradients of yashard master shards: it would return this rank's "
+                "norm of its shards, not the model's. Use model.clip_grad_norm_(max_norm) (it returns the global "
+                "norm; max_norm=float('inf') only measures it)"
+            )
+        return torch_total(ts, *args, **kwargs)
+
+    get_total_norm.__wrapped__ = torch_total
+    nn_utils.get_total_norm = get_total_norm
 
 
 def _runtimes(optimizer, check: bool) -> list:
@@ -86,8 +148,44 @@ def _runtimes(optimizer, check: bool) -> list:
     return runtimes
 
 
+def _shape_aware_optimizers() -> tuple:
+    """torch optimizers whose update of an element depends on the parameter's shape or on all of its
+    elements together: on flat shards of several parameters each they compute something else."""
+    kinds = [getattr(torch.optim, name) for name in ("Adafactor", "LBFGS", "Muon") if hasattr(torch.optim, name)]
+    try:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        kinds.append(ZeroRedundancyOptimizer)
+    except ImportError:  # pragma: no cover - torch built without distributed
+        pass
+    return tuple(kinds)
+
+
+def check_optimizer_kind(optimizer) -> None:
+    """Refuse the optimizers a sharded model's flat master shards would make compute something else."""
+    kinds = _shape_aware_optimizers()
+    if not isinstance(optimizer, kinds):
+        return
+    name = type(optimizer).__name__
+    if name == "ZeroRedundancyOptimizer":
+        raise TypeError(
+            "ZeroRedundancyOptimizer over yashard master shards: it gives each rank's state to one rank and "
+            "broadcasts parameters, but every rank holds other shards of the same units, so one rank's shard would "
+            "overwrite another's. yashard already shards the optimizer state: use the plain torch.optim optimizer"
+        )
+    raise TypeError(
+        f"{name} over yashard master shards: its update depends on each parameter's shape or on all of its "
+        "elements together (factored or matrix statistics, line searches), and a master shard is a flat 1-D piece "
+        "of several parameters on each rank, so it would compute something else than on the unsharded model. Use "
+        "an element-wise optimizer (AdamW, Adam, SGD, Adagrad, RMSprop, ...)"
+    )
+
+
 def _before_step(optimizer, args, kwargs):
-    for rt in _runtimes(optimizer, check=True):
+    runtimes = _runtimes(optimizer, check=True)
+    if runtimes:
+        check_optimizer_kind(optimizer)
+    for rt in runtimes:
         rt.check_grads_reduced(f"{type(optimizer).__name__}.step()")
         rt.check_no_new_parameters()
         check_loss_scaling(rt, optimizer)

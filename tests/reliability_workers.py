@@ -316,6 +316,21 @@ def torch_clip_on_masters(rank, world):
     return out
 
 
+def generate_uneven_lengths(rank, world):
+    """Greedy generate() where rank 0's sequence ends (EOS) after one token and rank 1's runs on: the
+    sharded model turns synced_gpus on, so rank 0 keeps joining the gathers. Both ranks' tokens match
+    the unsharded model's."""
+    sm = yashard.shard(build(num_hidden_layers=2), config=yashard.ShardConfig(collective_timeout=20.0)).eval()
+    ref = build(num_hidden_layers=2).eval()
+    prompts = [batches(1, 2, 4, 96)[0][r:r + 1] for r in range(world)]
+    with torch.no_grad():
+        eos = int(ref(input_ids=prompts[0]).logits[0, -1].argmax())  # rank 0's first greedy token
+        kw = dict(max_new_tokens=6, do_sample=False, eos_token_id=eos, pad_token_id=0)
+        want = ref.generate(prompts[rank], **kw)
+        got = sm.generate(prompts[rank], **kw)
+    return got.tolist(), want.tolist()
+
+
 def scaler_floor(rank, world, min_scale, steps=6):
     """fp16 whose forward overflows from step 2 on (layer 1's output times 1e9 on every rank): the
     loss is NaN, no scale helps. Per step: the loss, the scale after update(), the masters changed;

@@ -768,6 +768,69 @@ def test_optimizers_that_need_whole_parameters_are_refused(pg, kind):
     assert all(torch.equal(a, p) for a, p in zip(before, sm.parameters()))
 
 
+def test_a_model_distributed_by_fsdp2_is_refused(pg):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = build()
+    mesh = init_device_mesh("cpu", (1,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    with pytest.raises(ValueError, match=r"the model is already distributed by FSDP \(FSDPLlamaForCausalLM at the root\): "
+                                         r"yashard shards a plain HF model itself"):
+        yashard.shard(model)
+
+
+def test_pickling_or_copying_a_sharded_model_is_refused(pg, tmp_path):
+    import copy
+
+    sm = yashard.shard(build())
+    for what in (lambda: torch.save(sm, tmp_path / "m.pt"), lambda: copy.deepcopy(sm),
+                 lambda: torch.save(sm.module, tmp_path / "m.pt"), lambda: copy.deepcopy(sm.module),
+                 lambda: torch.optim.swa_utils.AveragedModel(sm)):
+        with pytest.raises(TypeError, match=r"a yashard-sharded model \((ShardedModel|LlamaForCausalLM)\) cannot be "
+                                            r"pickled or copied .* for an EMA, keep copies of the master shards"):
+            what()
+
+
+def test_hf_checkpointing_after_shard_is_refused(pg):
+    sm = yashard.shard(build())
+    for name in ("gradient_checkpointing_enable", "activation_checkpointing_enable"):
+        if hasattr(sm.module, name):
+            with pytest.raises(ValueError, match=r"HF activation checkpointing on a yashard-sharded model .* "
+                                                 r"ShardConfig\(checkpoint_layers=N\)"):
+                getattr(sm, name)()
+    _loss(sm).backward()  # nothing was changed
+
+
+def test_freezing_after_shard_and_hooks_on_shards_are_refused(pg):
+    """Both would be silently ignored: a module of the sharded model holds no parameter any more,
+    a frozen shard would still get its gradient, autograd never calls hooks on the shards."""
+    sm = yashard.shard(build())
+    with pytest.raises(ValueError, match=r"Embedding\.requires_grad_\(False\) on a yashard-sharded model: .* "
+                                         r"freezing parameters is not supported yet"):
+        sm.module.model.embed_tokens.requires_grad_(False)
+    sm.module.model.embed_tokens.requires_grad_(True)  # a no-op, allowed
+    sm.requires_grad_(False)
+    with torch.no_grad():
+        _loss(sm)  # inference needs no gradients
+    with pytest.raises(ValueError, match=r"the master shard embed has requires_grad=False \(set after yashard\.shard"):
+        _loss(sm)
+    sm.module.requires_grad_(True)  # the HF module's requires_grad_ reaches the shards
+    assert all(p.requires_grad for p in sm.parameters())
+    sm.module.requires_grad_(False)
+    assert not any(p.requires_grad for p in sm.parameters())
+    sm.requires_grad_(True)
+    for register in (lambda p: p.register_hook(lambda g: g), lambda p: p.register_post_accumulate_grad_hook(lambda p: None)):
+        handle = register(list(sm.parameters())[1])
+        with pytest.raises(ValueError, match=r"a hook is registered on the master shard layer_0 .* autograd would never "
+                                             r"call it.*model\.register_comm_hook"):
+            _loss(sm)
+        handle.remove()
+    _loss(sm).backward()
+
+
 def test_a_parameter_added_after_shard_is_refused_at_the_step(pg):
     sm = yashard.shard(build())
     opt = torch.optim.AdamW(sm.parameters(), lr=1e-3)

@@ -13,7 +13,7 @@ import torch
 import yashard
 
 from harness import run_distributed, run_until_exit
-from reliability_workers import (backward_raises_then_training_goes_on, torch_clip_on_masters, scaler_floor, default_backend_step, die_or_stall, fp16_nonfinite_without_scaler, fp16_scaler_misuse,
+from reliability_workers import (backward_raises_then_training_goes_on, generate_uneven_lengths, torch_clip_on_masters, scaler_floor, default_backend_step, die_or_stall, fp16_nonfinite_without_scaler, fp16_scaler_misuse,
                                  guard_run, lm_head_too_early, nonfinite, nonfinite_skip_then_train,
                                  optimizer_before_shard, prefetch_after_step, scaler_lifetime, scaler_steps, uneven_layers,
                                  uneven_micro_batches)
@@ -217,6 +217,13 @@ def test_torch_clip_grad_norm_on_a_sharded_model_clips_by_the_global_norm():
         assert out["plain"][0] == pytest.approx(norm) and out["plain"][2] == pytest.approx(1.0, rel=1e-5)
         assert out["plain"][1] == pytest.approx([2.0 / (norm + 1e-6)] * 3)
     assert outs[0]["norms"] == outs[1]["norms"]
+
+
+def test_generate_with_sequences_ending_at_different_steps():
+    outs = run_distributed(generate_uneven_lengths, 2)
+    for got, want in outs:
+        assert got == want
+    assert len(outs[0][0][0]) == 5 and len(outs[1][0][0]) > 5, outs  # rank 0 stopped at EOS, rank 1 went on
 
 
 def test_sharded_grad_scaler_stops_a_run_whose_forward_overflows():

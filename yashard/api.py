@@ -89,6 +89,15 @@ def _check_conversion(fn, device: torch.device) -> None:
         )
 
 
+def _refuse_copy(self, *args):
+    raise TypeError(
+        f"a yashard-sharded model ({type(self).__name__}) cannot be pickled or copied (torch.save(model), "
+        "copy.deepcopy, AveragedModel): its weights live in per-rank shards and buffers shared between layers. Save "
+        "with yashard.save_checkpoint, model.full_state_dict() or yashard.export_hf; for an EMA, keep copies of the "
+        "master shards ([p.detach().clone() for p in model.parameters()]) or shard a second model"
+    )
+
+
 def _answer_device_and_dtype(module: nn.Module, runtime: Runtime) -> None:
     """HF reads a model's ``device`` and ``dtype`` from its first parameter (``generate()``,
     ``save_pretrained``), and counts parameters over the module's own (``num_parameters``,
@@ -96,7 +105,10 @@ def _answer_device_and_dtype(module: nn.Module, runtime: Runtime) -> None:
     its class (same name, cached per class) whose ``device`` is the runtime's device, whose
     ``dtype`` is the compute dtype (``param_dtype``), and whose counts include the sharded
     parameters: ``num_parameters`` the model's (unpadded, tied ones once, as the unsharded model
-    counts them), ``get_memory_footprint`` this rank's bytes of them (its fp32 master shards)."""
+    counts them), ``get_memory_footprint`` this rank's bytes of them (its fp32 master shards).
+    The subclass also turns ``generate``'s ``synced_gpus`` on when the shard group has several ranks
+    (as HF does for FSDP and ZeRO-3: a rank that finished keeps joining the gathers), refuses
+    pickling and deep copies, and refuses HF's activation checkpointing (``checkpoint_layers``)."""
     cls = type(module)
     if not isinstance(getattr(cls, "device", None), property):
         return  # not an HF model: nothing reads these
@@ -122,8 +134,26 @@ def _answer_device_and_dtype(module: nn.Module, runtime: Runtime) -> None:
         masters = sum(u.master.numel() * u.master.element_size() for u in _units(self))
         return cls.get_memory_footprint(self, return_buffers) + masters
 
+    def generate(self, *args, **kwargs):
+        # every forward gathers over the shard group: a rank that finished early must keep stepping
+        # (HF turns synced_gpus on by itself for FSDP and ZeRO-3 models, not for this one)
+        if kwargs.get("synced_gpus") is None:
+            rt = self.__dict__["_yashard_runtime"]()
+            kwargs["synced_gpus"] = rt is not None and rt.comm.shard_world > 1
+        return cls.generate(self, *args, **kwargs)
+
+    def requires_grad_(self, requires_grad: bool = True):
+        # the whole model's parameters are the master shards: set them (a grad-enabled forward then
+        # refuses frozen shards; under torch.no_grad() nothing needs gradients)
+        for u in _units(self):
+            u.master.requires_grad_(requires_grad)
+        return cls.requires_grad_(self, requires_grad)
+
     members = {
         "_apply": _apply,
+        "requires_grad_": requires_grad_,
+        "__reduce_ex__": _refuse_copy,
+        "__deepcopy__": lambda self, memo: _refuse_copy(self),
         "device": property(lambda self: self.__dict__["_yashard_device"], doc="The sharded model's device."),
         "dtype": property(lambda self: self.__dict__["_yashard_dtype"], doc="The compute dtype (param_dtype)."),
     }
@@ -131,6 +161,18 @@ def _answer_device_and_dtype(module: nn.Module, runtime: Runtime) -> None:
         members["num_parameters"] = num_parameters
     if hasattr(cls, "get_memory_footprint"):
         members["get_memory_footprint"] = get_memory_footprint
+    if hasattr(cls, "generate"):
+        members["generate"] = generate
+
+    def refuse_hf_checkpointing(self, *args, **kwargs):
+        raise ValueError(
+            "HF activation checkpointing on a yashard-sharded model would re-run yashard's layer hooks during "
+            "backward; shard with ShardConfig(checkpoint_layers=N) instead (N decoder layers recompute their forward)"
+        )
+
+    for name in ("gradient_checkpointing_enable", "activation_checkpointing_enable"):
+        if hasattr(cls, name):
+            members[name] = refuse_hf_checkpointing
     module.__class__ = same_named_subclass(cls, _SHARDED_CLASSES, members)
     module.__dict__["_yashard_device"] = runtime.device
     module.__dict__["_yashard_dtype"] = runtime.config.param_dtype
@@ -146,6 +188,11 @@ class ShardedModel(nn.Module):
     Gradients follow standard PyTorch semantics: they accumulate across ``backward()`` calls in
     fp32 until the optimizer's ``zero_grad`` (``set_to_none=True`` included).
     """
+
+    __reduce_ex__ = _refuse_copy
+
+    def __deepcopy__(self, memo):
+        _refuse_copy(self)
 
     def __init__(self, module: nn.Module, runtime: Runtime):
         super().__init__()

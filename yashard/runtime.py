@@ -93,6 +93,12 @@ class Runtime:
                 "model was already sharded by yashard.shard (its parameters now live in that ShardedModel); "
                 "use the ShardedModel it returned"
             )
+        wrapped = _other_sharding(model)
+        if wrapped is not None:
+            raise ValueError(
+                f"the model is already distributed by {wrapped}: yashard shards a plain HF model itself. Build the "
+                "model without it (no fully_shard / FSDP / DeepSpeed / DTensor parameters) and pass that to yashard.shard"
+            )
         n_layers = len(get_path(model, spec.layers))
         ckpt = self.config.checkpoint_layers
         if ckpt > n_layers:
@@ -392,6 +398,8 @@ class Runtime:
         if grad:
             self.grad_fwd_id += 1
             self._fwd_sync = self.require_grad_sync
+        if grad:
+            self._check_masters()
         self._fwd_cursor = 0
         self._bwd_last_layer = None
         self._refresh_sources()
@@ -407,6 +415,26 @@ class Runtime:
         if self.forward_order:
             self._prefetch(self.forward_order[0])
         return None
+
+    def _check_masters(self) -> None:
+        """Refuse what autograd would silently ignore on the master shards: a shard frozen after
+        ``shard()`` (it would still get gradients) and hooks registered on one (the reduction writes
+        ``.grad`` itself, so autograd never calls them)."""
+        for u in self.units:
+            m = u.master
+            if not m.requires_grad:
+                raise ValueError(
+                    f"the master shard {u.name} has requires_grad=False (set after yashard.shard, e.g. by "
+                    "requires_grad_(False)): freezing parameters is not supported yet, and a frozen shard would still "
+                    "get gradients. Set it back (p.requires_grad_(True)), or run the forward under torch.no_grad()"
+                )
+            if m._backward_hooks or getattr(m, "_post_accumulate_grad_hooks", None):
+                raise ValueError(
+                    f"a hook is registered on the master shard {u.name} (register_hook / "
+                    "register_post_accumulate_grad_hook): yashard writes the reduced gradient into .grad itself, so "
+                    "autograd would never call it. Step the optimizer after backward(); to act on gradients as they "
+                    "are reduced, use model.register_comm_hook"
+                )
 
     def _refresh_sources(self) -> None:
         """Recast the param_dtype shards if the masters changed, and order every gather issued
@@ -941,7 +969,35 @@ def _squares_per_tensor(ts: list[torch.Tensor]) -> torch.Tensor:
                         for t in ts])
 
 
+def _other_sharding(model: nn.Module) -> str | None:
+    """What already distributes ``model``'s parameters, if anything does: FSDP2 (``fully_shard``),
+    FSDP1, DeepSpeed ZeRO-3, or DTensor parameters (tensor parallelism)."""
+    from torch.distributed.tensor import DTensor
+
+    for name, m in model.named_modules():
+        kind = type(m).__name__
+        if kind.startswith("FSDP") or kind == "FullyShardedDataParallel":
+            return f"FSDP ({kind} at {name or 'the root'})"
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor):
+            return f"DTensor parameters ({name}: FSDP2's fully_shard or tensor parallelism)"
+        if hasattr(p, "ds_id"):
+            return f"DeepSpeed ZeRO-3 ({name} is partitioned)"
+    return None
+
+
 _MARKED_CLASSES: dict[type, type] = {}
+
+
+def _refuse_freezing(self, requires_grad: bool = True):
+    """``requires_grad_`` of an HF module whose parameters yashard sharded: ``False`` would change
+    nothing (the module holds no parameter any more), so it raises."""
+    if not requires_grad:
+        raise ValueError(
+            f"{type(self).__name__}.requires_grad_(False) on a yashard-sharded model: its parameters live in the "
+            "master shards, and freezing parameters is not supported yet (it would silently freeze nothing)"
+        )
+    return nn.Module.requires_grad_(self, requires_grad)
 
 
 def _mark_sharded(module: nn.Module, attr: str, fqn: str, shape: torch.Size) -> None:
@@ -975,7 +1031,8 @@ def _mark_sharded(module: nn.Module, attr: str, fqn: str, shape: torch.Size) -> 
                     del self.__dict__[a]
 
         module.__class__ = same_named_subclass(cls, _MARKED_CLASSES,
-                                               {"__getattr__": __getattr__, "extra_repr": extra_repr})
+                                               {"__getattr__": __getattr__, "extra_repr": extra_repr,
+                                                "requires_grad_": _refuse_freezing})
     module.__dict__.setdefault("_yashard_sharded", {})[attr] = (fqn, torch.Size(shape))
 
 

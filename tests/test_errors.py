@@ -831,6 +831,21 @@ def test_freezing_after_shard_and_hooks_on_shards_are_refused(pg):
     _loss(sm).backward()
 
 
+def test_writing_gathered_norm_weights_in_place_is_refused(pg):
+    """The norm group's views stay readable between forwards; writing through one changes a gathered
+    copy, which the next forward would use and the next optimizer step would silently drop."""
+    sm = yashard.shard(build())
+    ids = _ids(0)
+    with torch.no_grad():
+        before = sm(input_ids=ids, labels=ids).loss
+        sm.module.model.norm.weight.fill_(2.0)
+        with pytest.raises(RuntimeError, match=r"the gathered weights of small were written in place through the "
+                                               r"model's modules .* then lost, and full_state_dict\(\) would not show it"):
+            sm(input_ids=ids, labels=ids)
+        assert torch.equal(sm(input_ids=ids, labels=ids).loss, before)  # gathered again from the masters
+    _loss(sm).backward()
+
+
 def test_a_parameter_added_after_shard_is_refused_at_the_step(pg):
     sm = yashard.shard(build())
     opt = torch.optim.AdamW(sm.parameters(), lr=1e-3)

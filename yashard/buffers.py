@@ -39,6 +39,9 @@ class Slot:
         # refilling a buffer never trips autograd's "modified by an inplace operation" check on the
         # parameter views saved for backward (the refill is ordered by events, not by autograd).
         self.weights_io = self.weights.data
+        # slot.weights' own version counter then moves only when something else writes through the
+        # modules' views of it (a user's in-place edit): the runtime compares it with this
+        self.weights_version = self.weights._version
         # Ownership state.
         self.owner = None            # unit whose weights are (being) gathered here
         self.release = None          # event: compute finished reading the owner's weights

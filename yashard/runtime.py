@@ -392,6 +392,7 @@ class Runtime:
         the previous backward left in the slots."""
         if self.in_backward:
             self._recover_from_failed_backward()
+        self._check_slot_writes()
         self._drain()
         self.streams.capture_compute()
         grad = torch.is_grad_enabled()
@@ -415,6 +416,27 @@ class Runtime:
         if self.forward_order:
             self._prefetch(self.forward_order[0])
         return None
+
+    def _check_slot_writes(self) -> None:
+        """Refuse in-place writes through the modules' views of gathered weights (the norm group's
+        stay installed between forwards): they change a gathered copy, not the master shards, so
+        they would be used until the next gather and then lost. The slot's weights are gathered
+        again before the error is raised."""
+        for slot in self.slots.values():
+            if slot.weights._version != slot.weights_version:
+                slot.weights_version = slot.weights._version
+                owner = slot.owner
+                slot.owner = None  # gathered again at the next forward
+                if owner is not None:
+                    owner.gathered = None
+                raise RuntimeError(
+                    f"the gathered weights of {getattr(owner, 'name', 'a unit')} were written in place through the "
+                    "model's modules (e.g. model.model.norm.weight.fill_(1.0)): they are a copy gathered from the "
+                    "master shards, so the write would be used until the next gather, then lost, and "
+                    "full_state_dict() would not show it. Write the weights through yashard (dcp.load into "
+                    "model.sharded_state_dict(), yashard.load_checkpoint) or in place into model.parameters() "
+                    "under torch.no_grad()"
+                )
 
     def _check_masters(self) -> None:
         """Refuse what autograd would silently ignore on the master shards: a shard frozen after

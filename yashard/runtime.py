@@ -68,6 +68,7 @@ class Runtime:
         self._fwd_sync = True       # require_grad_sync at the latest grad-enabled forward (its backward's)
         self.in_backward = False
         self._discard_reductions = False
+        self._root_active = False  # between the model's forward pre-hook and its forward hook
         self.pending: list[Pending] = []
         self._last_reduction: Pending | None = None  # R6: the reduction writing reduce_out
         self.comm_hook = reduce_scatter_hook   # how each unit's gradients are reduced (comm_hooks.py)
@@ -318,6 +319,7 @@ class Runtime:
     def _install_hooks(self, spec: ModelSpec) -> None:
         model = self.model
         self._hooks.append(model.register_forward_pre_hook(self._root_pre_forward))
+        self._hooks.append(model.register_forward_hook(self._root_post_forward))
         modules = {"embed": get_path(model, spec.embed), "lm_head": get_path(model, spec.lm_head)}
         layer_modules = get_path(model, spec.layers)
         ckpt = self.config.checkpoint_layers
@@ -393,6 +395,7 @@ class Runtime:
         if self.in_backward:
             self._recover_from_failed_backward()
         self._check_slot_writes()
+        self._root_active = True
         self._drain()
         self.streams.capture_compute()
         grad = torch.is_grad_enabled()
@@ -458,6 +461,10 @@ class Runtime:
                     "are reduced, use model.register_comm_hook"
                 )
 
+    def _root_post_forward(self, module, args, output):
+        self._root_active = False
+        return None
+
     def _refresh_sources(self) -> None:
         """Recast the param_dtype shards if the masters changed, and order every gather issued
         from now on after what compute did so far (the casts, the optimizer step, the previous
@@ -499,6 +506,13 @@ class Runtime:
                     self.gather(u)
 
     def _pre_forward(self, unit: Unit, module, args, kwargs):
+        if not self._root_active and not self.in_backward:
+            raise OrderError(
+                f"{unit.name} ran outside a forward of the whole model: yashard gathers each unit's weights "
+                f"as the model's own forward reaches it. Call the model itself ({type(self.model).__name__}, or "
+                "the ShardedModel) with input_ids; output_hidden_states=True returns every layer's hidden states. "
+                "Calling the base model, a decoder layer or the embedding on its own is not supported"
+            )
         if unit.kind == "layer":
             expected = self._fwd_cursor
             if unit.index != expected:

@@ -331,6 +331,19 @@ def generate_uneven_lengths(rank, world):
     return got.tolist(), want.tolist()
 
 
+def ranks_build_different_models(rank, world, what):
+    """Rank 1 builds another model ("vocab", "layers") or passes another ShardConfig ("config"):
+    every rank's yashard.shard raises (the message), before any training collective."""
+    kw = {"vocab": {"vocab_size": 104} if rank == 1 else {}, "layers": {"num_hidden_layers": 3 if rank == 1 else 2},
+          "config": {}}[what]
+    cfg = yashard.ShardConfig(param_dtype=torch.bfloat16 if (what == "config" and rank == 1) else torch.float32)
+    try:
+        yashard.shard(build(**{"num_hidden_layers": 2, **kw}), config=cfg)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def scaler_floor(rank, world, min_scale, steps=6):
     """fp16 whose forward overflows from step 2 on (layer 1's output times 1e9 on every rank): the
     loss is NaN, no scale helps. Per step: the loss, the scale after update(), the masters changed;

@@ -13,7 +13,7 @@ import torch
 import yashard
 
 from harness import run_distributed, run_until_exit
-from reliability_workers import (backward_raises_then_training_goes_on, generate_uneven_lengths, torch_clip_on_masters, scaler_floor, default_backend_step, die_or_stall, fp16_nonfinite_without_scaler, fp16_scaler_misuse,
+from reliability_workers import (backward_raises_then_training_goes_on, ranks_build_different_models, generate_uneven_lengths, torch_clip_on_masters, scaler_floor, default_backend_step, die_or_stall, fp16_nonfinite_without_scaler, fp16_scaler_misuse,
                                  guard_run, lm_head_too_early, nonfinite, nonfinite_skip_then_train,
                                  optimizer_before_shard, prefetch_after_step, scaler_lifetime, scaler_steps, uneven_layers,
                                  uneven_micro_batches)
@@ -224,6 +224,22 @@ def test_generate_with_sequences_ending_at_different_steps():
     for got, want in outs:
         assert got == want
     assert len(outs[0][0][0]) == 5 and len(outs[1][0][0]) > 5, outs  # rank 0 stopped at EOS, rank 1 went on
+
+
+def test_ranks_sharding_different_models_are_told_so():
+    want = {
+        "vocab": "in embed, rank 0 has ('model.embed_tokens.weight', (96, 32), 'torch.float32') where rank 1 has "
+                 "('model.embed_tokens.weight', (104, 32), 'torch.float32')",
+        "layers": "in layer_2, rank 0 has None where rank 1 has ('model.layers.2.self_attn.q_proj.weight', (32, 32), "
+                  "'torch.float32')",
+        "config": "in ShardConfig, rank 0 has ('param_dtype', 'torch.float32') where rank 1 has ('param_dtype', "
+                  "'torch.bfloat16')",
+    }
+    for what, detail in want.items():
+        for msg in run_distributed(ranks_build_different_models, 2, what):
+            assert msg == (f"the ranks are sharding different models: {detail}. Every rank must build the same model "
+                           "(same config, same code) and pass the same ShardConfig (its device aside) to "
+                           "yashard.shard"), msg
 
 
 def test_sharded_grad_scaler_stops_a_run_whose_forward_overflows():

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
 import weakref
+import zlib
 
 import torch
 import torch.utils.checkpoint
@@ -177,7 +179,33 @@ class Runtime:
                 groups[keys.pop()].append((p, locs, fqns))
         return {k: v for k, v in groups.items() if v}
 
+    def _check_same_model(self, groups) -> None:
+        """Every rank must shard the same model with the same settings: compare a digest of every
+        parameter's name, shape and dtype and of the ShardConfig (its device aside), and on a
+        mismatch name the first difference. Without this, ranks would issue collectives of different
+        sizes and fail later, in gloo or NCCL, without naming the cause."""
+        cfg = {f.name: repr(getattr(self.config, f.name)) for f in dataclasses.fields(self.config) if f.name != "device"}
+        desc = [("ShardConfig", sorted(cfg.items()))] + [
+            (key, [(fqns[0], tuple(p.shape), str(p.dtype)) for p, _, fqns in members]) for key, members in groups.items()]
+        digests = self.comm.all_gather_object(zlib.crc32(repr(desc).encode()), "yashard.shard: same model on every rank")
+        if len(set(digests)) == 1:
+            return
+        every = self.comm.all_gather_object(desc, "yashard.shard: the models of the ranks")
+        r = next(i for i, d in enumerate(digests) if d != digests[0])
+        ours, theirs = dict(every[0]), dict(every[r])
+        only_one = [k for k in theirs if k not in ours] + [k for k in ours if k not in theirs]  # (layer counts)
+        where = only_one[0] if only_one else next(k for k in ours if ours[k] != theirs[k])
+        a, b = ours.get(where, []), theirs.get(where, [])
+        first = next(((x, y) for x, y in zip(a, b) if x != y), (a[len(b)] if len(a) > len(b) else None,
+                                                                 b[len(a)] if len(b) > len(a) else None))
+        raise ValueError(
+            f"the ranks are sharding different models: in {where}, rank 0 has {first[0]} where rank {r} has "
+            f"{first[1]}. Every rank must build the same model (same config, same code) and pass the same "
+            "ShardConfig (its device aside) to yashard.shard"
+        )
+
     def _build_units(self, groups) -> None:
+        self._check_same_model(groups)
         cfg = self.config
         w = self.world
         layouts = {

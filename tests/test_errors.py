@@ -864,6 +864,23 @@ def test_a_submodule_called_outside_the_models_forward_is_refused(pg):
     out.loss.backward()
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_name_based_no_decay_rules_group_the_shards_as_param_groups_does(pg, family):
+    """Every shard is 1-D; by name, the norm group is 'shards.norms_and_biases', so HF Trainer's
+    decay rule (and the common `"bias" in name or "norm" in name` one) picks param_groups' split."""
+    from transformers import Trainer
+
+    sm = yashard.shard(build(family))
+    names = dict(sm.named_parameters())
+    assert list(names) == ["shards.embed", *(f"shards.layer_{i}" for i in range(len(sm.module.model.layers))),
+                           "shards.lm_head", "shards.norms_and_biases"]
+    decay, no_decay = sm.param_groups(0.1)
+    hf = set(Trainer.get_decay_parameter_names(None, sm))
+    assert {id(names[n]) for n in hf} == {id(p) for p in decay["params"]}
+    common = [p for n, p in names.items() if not ("bias" in n or "norm" in n)]
+    assert [id(p) for p in common] == [id(p) for p in decay["params"]] and no_decay["weight_decay"] == 0.0
+
+
 def test_a_parameter_added_after_shard_is_refused_at_the_step(pg):
     sm = yashard.shard(build())
     opt = torch.optim.AdamW(sm.parameters(), lr=1e-3)

@@ -197,7 +197,11 @@ class ShardedModel(nn.Module):
     def __init__(self, module: nn.Module, runtime: Runtime):
         super().__init__()
         self.module = module
-        self.shards = nn.ParameterDict({u.name: u.master for u in runtime.units})
+        # named "shards.<unit>"; the norm group (every 1-D parameter) as "shards.norms_and_biases", so
+        # name-based no-decay rules (HF Trainer's "bias" / "norm" patterns) group the shards as
+        # param_groups() does
+        self.shards = nn.ParameterDict({("norms_and_biases" if u.kind == "small" else u.name): u.master
+                                        for u in runtime.units})
         object.__setattr__(self, "_runtime", runtime)
         _answer_device_and_dtype(module, runtime)
         for m in (self, module):  # module too: HF's save_pretrained reads its state_dict

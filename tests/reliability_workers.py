@@ -344,6 +344,46 @@ def ranks_build_different_models(rank, world, what):
     return None
 
 
+def inputs_embeds_from_the_input_embedding(rank, world, tied):
+    """LLaVA / prompt-tuning style: inputs_embeds = model.get_input_embeddings()(ids) (scaled, so it is
+    not the model's own path), then model(inputs_embeds=..., labels=ids), from the very first step; a
+    plain forward at step 2; a no-grad call in between. Against the unsharded model on the global batch."""
+    sm = yashard.shard(build(num_hidden_layers=3, tie_word_embeddings=tied))
+    ref = build(num_hidden_layers=3, tie_word_embeddings=tied)
+    opt = torch.optim.AdamW(sm.param_groups(0.1), lr=1e-2)
+    decay = [p for p in ref.parameters() if p.dim() >= 2]
+    ropt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                              {"params": [p for p in ref.parameters() if p.dim() < 2], "weight_decay": 0.0}], lr=1e-2)
+
+    def loss_of(m, x, step):
+        if step == 2:
+            return m(input_ids=x, labels=x).loss
+        return m(inputs_embeds=m.get_input_embeddings()(x) * 1.5, labels=x).loss
+
+    losses, ref_losses = [], []
+    for step in range(4):
+        batch = batches(step + 1, 2 * world, 8, 96)[step]
+        loss = loss_of(sm, batch.chunk(world)[rank], step)
+        loss.backward()
+        sm.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            sm.get_input_embeddings()(batch[:1])  # a no-grad call between steps changes nothing
+        total = loss.detach().clone()
+        torch.distributed.all_reduce(total)
+        losses.append(total.item() / world)
+        rloss = loss_of(ref, batch, step)
+        rloss.backward()
+        torch.nn.utils.clip_grad.clip_grad_norm_.__wrapped__(ref.parameters(), 1.0)
+        ropt.step()
+        ropt.zero_grad()
+        ref_losses.append(rloss.item())
+    full = sm.full_state_dict()
+    worst = max(((full[k] - p).norm() / p.norm()).item() for k, p in ref.named_parameters())
+    return losses, ref_losses, worst
+
+
 def scaler_floor(rank, world, min_scale, steps=6):
     """fp16 whose forward overflows from step 2 on (layer 1's output times 1e9 on every rank): the
     loss is NaN, no scale helps. Per step: the loss, the scale after update(), the masters changed;

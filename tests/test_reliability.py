@@ -13,7 +13,7 @@ import torch
 import yashard
 
 from harness import run_distributed, run_until_exit
-from reliability_workers import (backward_raises_then_training_goes_on, ranks_build_different_models, generate_uneven_lengths, torch_clip_on_masters, scaler_floor, default_backend_step, die_or_stall, fp16_nonfinite_without_scaler, fp16_scaler_misuse,
+from reliability_workers import (backward_raises_then_training_goes_on, inputs_embeds_from_the_input_embedding, ranks_build_different_models, generate_uneven_lengths, torch_clip_on_masters, scaler_floor, default_backend_step, die_or_stall, fp16_nonfinite_without_scaler, fp16_scaler_misuse,
                                  guard_run, lm_head_too_early, nonfinite, nonfinite_skip_then_train,
                                  optimizer_before_shard, prefetch_after_step, scaler_lifetime, scaler_steps, uneven_layers,
                                  uneven_micro_batches)
@@ -240,6 +240,15 @@ def test_ranks_sharding_different_models_are_told_so():
             assert msg == (f"the ranks are sharding different models: {detail}. Every rank must build the same model "
                            "(same config, same code) and pass the same ShardConfig (its device aside) to "
                            "yashard.shard"), msg
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_inputs_embeds_from_the_input_embedding_matches_the_unsharded_model(tied):
+    """The embedding called on its own runs as the first unit of the coming forward (even before the
+    first forward ever ran), so LLaVA-style inputs_embeds train exactly."""
+    for losses, ref_losses, worst in run_distributed(inputs_embeds_from_the_input_embedding, 2, tied):
+        assert max(abs(a - b) / b for a, b in zip(losses, ref_losses)) < 1e-5, (losses, ref_losses)
+        assert worst < 1e-5, worst
 
 
 def test_sharded_grad_scaler_stops_a_run_whose_forward_overflows():

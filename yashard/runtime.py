@@ -535,11 +535,14 @@ class Runtime:
 
     def _pre_forward(self, unit: Unit, module, args, kwargs):
         if not self._root_active and not self.in_backward:
+            if unit is self.embed:
+                return self._embedding_ahead_of_forward(unit, args, kwargs)
             raise OrderError(
                 f"{unit.name} ran outside a forward of the whole model: yashard gathers each unit's weights "
                 f"as the model's own forward reaches it. Call the model itself ({type(self.model).__name__}, or "
-                "the ShardedModel) with input_ids; output_hidden_states=True returns every layer's hidden states. "
-                "Calling the base model, a decoder layer or the embedding on its own is not supported"
+                "the ShardedModel) with input_ids or inputs_embeds; output_hidden_states=True returns every layer's "
+                "hidden states. Calling the base model or a decoder layer on its own is not supported (the input "
+                "embedding is: inputs_embeds = model.get_input_embeddings()(input_ids))"
             )
         if unit.kind == "layer":
             expected = self._fwd_cursor
@@ -560,6 +563,38 @@ class Runtime:
             unit.install_views(None)
             return None
         unit.fwd_id = self.grad_fwd_id
+        unit.grad_claimed = False
+        unit.written = [False] * len(unit.layout.entries)
+        flat, spec = tree_flatten((args, kwargs))
+        idx = [i for i, x in enumerate(flat) if _is_diff_tensor(x)]
+        token, *gated = GateGradFlow.apply(unit, unit.token, *[flat[i] for i in idx])
+        for i, g in zip(idx, gated):
+            flat[i] = g
+        unit.install_views(token)
+        return tree_unflatten(flat, spec)
+
+    def _embedding_ahead_of_forward(self, unit: Unit, args, kwargs):
+        """The input embedding called on its own, ahead of the model forward that takes its output
+        as ``inputs_embeds`` (LLaVA-style multimodal inputs, prompt tuning): it runs as the first
+        unit of that coming forward, whose id it takes (``grad_fwd_id + 1``), so its backward and
+        its reduction belong to that forward's backward. The checks and source refresh of a forward's
+        start run first, as in :meth:`_root_pre_forward`."""
+        self._check_slot_writes()
+        grad = torch.is_grad_enabled()
+        if grad:
+            self._check_masters()
+        self._drain()
+        self.streams.capture_compute()
+        self._refresh_sources()
+        if unit.slot.owner is not unit or unit.gathered_version != unit.master._version:
+            unit.gathered = None
+        self._ensure_gathered(unit)
+        self._prefetch(unit.next_forward)
+        if not grad:
+            unit.install_views(None)
+            return None
+        unit.fwd_id = self.grad_fwd_id + 1  # the coming forward's
+        unit.fwd_version = unit.master._version
         unit.grad_claimed = False
         unit.written = [False] * len(unit.layout.entries)
         flat, spec = tree_flatten((args, kwargs))

@@ -879,6 +879,24 @@ def test_name_based_no_decay_rules_group_the_shards_as_param_groups_does(pg, fam
     assert [id(p) for p in common] == [id(p) for p in decay["params"]] and no_decay["weight_decay"] == 0.0
 
 
+def test_torch_distributed_state_dict_helpers_are_refused(pg):
+    """get_optimizer_state_dict(model, opt) would hand DCP the flat per-rank optimizer shards under
+    keys every rank shares (DCP keeps one): refused, on the ShardedModel and on its HF module."""
+    from torch.distributed.checkpoint import state_dict as dsd
+
+    sm = yashard.shard(build())
+    opt = torch.optim.AdamW(sm.parameters(), lr=1e-3)
+    _loss(sm).backward()
+    opt.step()
+    match = (r"torch\.distributed\.checkpoint\.state_dict \(get_/set_model_state_dict, .*\) on a yashard-sharded "
+             r"model: .* model\.sharded_optim_state_dict\(optimizer\)")
+    for call in (lambda: dsd.get_optimizer_state_dict(sm, opt), lambda: dsd.get_state_dict(sm, opt),
+                 lambda: dsd.get_model_state_dict(sm), lambda: dsd.get_optimizer_state_dict(sm.module, opt),
+                 lambda: dsd.set_optimizer_state_dict(sm, opt, {})):
+        with pytest.raises(TypeError, match=match):
+            call()
+
+
 def test_a_parameter_added_after_shard_is_refused_at_the_step(pg):
     sm = yashard.shard(build())
     opt = torch.optim.AdamW(sm.parameters(), lr=1e-3)

@@ -98,6 +98,18 @@ def _refuse_copy(self, *args):
     )
 
 
+def _refuse_dsd(self):
+    """``_fqn_modifiers`` is what torch.distributed.checkpoint.state_dict (``get_state_dict``,
+    ``get_optimizer_state_dict``, ``set_*``) asks every module for; on a sharded model it raises."""
+    raise TypeError(
+        "torch.distributed.checkpoint.state_dict (get_/set_model_state_dict, get_/set_optimizer_state_dict, "
+        "get_/set_state_dict) on a yashard-sharded model: its parameters and optimizer state are flat per-rank "
+        "shards under names every rank shares, which DCP would store once. Use model.sharded_state_dict() and "
+        "model.sharded_optim_state_dict(optimizer) (FSDP2's layout) with dcp.save / dcp.load, then "
+        "model.load_sharded_optim_state_dict(optimizer, state_dict)"
+    )
+
+
 def _answer_device_and_dtype(module: nn.Module, runtime: Runtime) -> None:
     """HF reads a model's ``device`` and ``dtype`` from its first parameter (``generate()``,
     ``save_pretrained``), and counts parameters over the module's own (``num_parameters``,
@@ -151,6 +163,7 @@ def _answer_device_and_dtype(module: nn.Module, runtime: Runtime) -> None:
 
     members = {
         "_apply": _apply,
+        "_fqn_modifiers": _refuse_dsd,
         "requires_grad_": requires_grad_,
         "__reduce_ex__": _refuse_copy,
         "__deepcopy__": lambda self, memo: _refuse_copy(self),
@@ -190,6 +203,7 @@ class ShardedModel(nn.Module):
     """
 
     __reduce_ex__ = _refuse_copy
+    _fqn_modifiers = _refuse_dsd
 
     def __deepcopy__(self, memo):
         _refuse_copy(self)

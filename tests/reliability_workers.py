@@ -313,6 +313,14 @@ def torch_clip_on_masters(rank, world):
     out["plain"] = (torch.nn.utils.clip_grad_norm_([plain], 1.0).item(), plain.grad.tolist(),
                     torch.nn.utils.get_total_norm([plain.grad]).item())
     out["errors"] = errors
+    if rank == 0:
+        next(iter(a.parameters())).grad[0] = float("inf")
+    kept = [p.grad.clone() for p in a.parameters()]
+    try:
+        torch.nn.utils.clip_grad_norm_(a.parameters(), 1.0, error_if_nonfinite=True)
+        out["nonfinite"] = None
+    except RuntimeError as e:
+        out["nonfinite"] = (str(e), all(torch.equal(k, p.grad) for k, p in zip(kept, a.parameters())))
     return out
 
 

@@ -748,12 +748,15 @@ def test_print_model_shows_the_unsharded_modules(pg, family):
                        build(family, num_hidden_layers=2).model.layers[1].input_layernorm.weight)  # views kept
 
 
-@pytest.mark.parametrize("kind", ["Adafactor", "LBFGS", "ZeroRedundancyOptimizer"])
+@pytest.mark.parametrize("kind", ["Adafactor", "LBFGS", "ZeroRedundancyOptimizer", "transformers.Adafactor"])
 def test_optimizers_that_need_whole_parameters_are_refused(pg, kind):
+    import transformers.optimization
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     sm = yashard.shard(build())
     make = {"Adafactor": lambda: torch.optim.Adafactor(sm.parameters(), lr=1e-2),
+            "transformers.Adafactor": lambda: transformers.optimization.Adafactor(
+                sm.parameters(), lr=1e-3, relative_step=False, scale_parameter=False),
             "LBFGS": lambda: torch.optim.LBFGS(sm.parameters()),
             "ZeroRedundancyOptimizer": lambda: ZeroRedundancyOptimizer(sm.parameters(), torch.optim.AdamW, lr=1e-3)}
     opt = make[kind]()
@@ -762,7 +765,8 @@ def test_optimizers_that_need_whole_parameters_are_refused(pg, kind):
     sm(input_ids=ids, labels=ids).loss.backward()
     match = (r"ZeroRedundancyOptimizer over yashard master shards: .* use the plain torch\.optim optimizer"
              if kind == "ZeroRedundancyOptimizer" else
-             rf"{kind} over yashard master shards: its update depends on each parameter's shape .* Use an element-wise")
+             rf"{kind.split('.')[-1]} over yashard master shards: its update depends on each parameter's shape .* Use an "
+             r"element-wise")
     with pytest.raises(TypeError, match=match):
         opt.step((lambda: sm(input_ids=ids, labels=ids).loss) if kind == "LBFGS" else None)
     assert all(torch.equal(a, p) for a, p in zip(before, sm.parameters()))
@@ -808,9 +812,11 @@ def test_freezing_after_shard_and_hooks_on_shards_are_refused(pg):
     """Both would be silently ignored: a module of the sharded model holds no parameter any more,
     a frozen shard would still get its gradient, autograd never calls hooks on the shards."""
     sm = yashard.shard(build())
-    with pytest.raises(ValueError, match=r"Embedding\.requires_grad_\(False\) on a yashard-sharded model: .* "
-                                         r"freezing parameters is not supported yet"):
-        sm.module.model.embed_tokens.requires_grad_(False)
+    for module in (sm.module.model.embed_tokens, sm.module.model.layers[0], sm.module.model.layers,
+                   sm.module.model, sm.module.model.layers[1].mlp):
+        with pytest.raises(ValueError, match=rf"{type(module).__name__}\.requires_grad_\(False\) on a yashard-sharded "
+                                             r"model: .* freezing parameters is not supported yet"):
+            module.requires_grad_(False)
     sm.module.model.embed_tokens.requires_grad_(True)  # a no-op, allowed
     sm.requires_grad_(False)
     with torch.no_grad():
@@ -821,6 +827,7 @@ def test_freezing_after_shard_and_hooks_on_shards_are_refused(pg):
     assert all(p.requires_grad for p in sm.parameters())
     sm.module.requires_grad_(False)
     assert not any(p.requires_grad for p in sm.parameters())
+    assert sm.num_parameters(only_trainable=True) == 0 < sm.num_parameters()
     sm.requires_grad_(True)
     for register in (lambda p: p.register_hook(lambda g: g), lambda p: p.register_post_accumulate_grad_hook(lambda p: None)):
         handle = register(list(sm.parameters())[1])
@@ -839,7 +846,7 @@ def test_writing_gathered_norm_weights_in_place_is_refused(pg):
     with torch.no_grad():
         before = sm(input_ids=ids, labels=ids).loss
         sm.module.model.norm.weight.fill_(2.0)
-        with pytest.raises(RuntimeError, match=r"the gathered weights of small were written in place through the "
+        with pytest.raises(RuntimeError, match=r"the gathered weights of the norm group were written in place through the "
                                                r"model's modules .* then lost, and full_state_dict\(\) would not show it"):
             sm(input_ids=ids, labels=ids)
         assert torch.equal(sm(input_ids=ids, labels=ids).loss, before)  # gathered again from the masters
@@ -895,6 +902,57 @@ def test_torch_distributed_state_dict_helpers_are_refused(pg):
                  lambda: dsd.set_optimizer_state_dict(sm, opt, {})):
         with pytest.raises(TypeError, match=match):
             call()
+
+
+def test_a_step_right_after_a_failed_backward_is_refused(pg):
+    """Until the next forward resets the runtime, the gradients of a backward that raised are
+    incomplete: the step, the clip and full_grads refuse them; zero_grad and a new batch go on."""
+    sm = yashard.shard(build(num_hidden_layers=4))
+    opt = torch.optim.AdamW(sm.parameters(), lr=1e-3)
+    boom = {"on": True}
+
+    def raise_once(module, grad_in, grad_out):
+        if boom.pop("on", False):
+            raise RuntimeError("simulated out of memory")
+
+    sm.module.model.layers[2].register_full_backward_hook(raise_once)
+    with pytest.raises(RuntimeError, match="simulated out of memory"):
+        _loss(sm).backward()
+    before = [p.detach().clone() for p in sm.parameters()]
+    for call in (opt.step, lambda: sm.clip_grad_norm_(1.0), sm.full_grads):
+        with pytest.raises(RuntimeError, match=r"after a backward that raised: its gradients are incomplete .* "
+                                               r"optimizer\.zero_grad\(\) and go on with the next batch"):
+            call()
+    assert all(torch.equal(a, p) for a, p in zip(before, sm.parameters()))
+    opt.zero_grad()
+    _loss(sm).backward()
+    sm.clip_grad_norm_(1.0)
+    opt.step()
+
+
+def test_a_forward_that_raised_leaves_no_forward_open(pg):
+    """A forward that raises (here in layer 1) runs the model's forward hook all the same: the input
+    embedding called on its own afterwards starts the next forward (fresh weights), and the base model
+    called on its own gets the intended refusal."""
+    sm = yashard.shard(build(num_hidden_layers=4))
+    boom = {"on": True}
+
+    def raise_once(module, args):
+        if boom.pop("on", False):
+            raise RuntimeError("simulated failure in forward")
+
+    sm.module.model.layers[1].register_forward_pre_hook(raise_once)
+    with pytest.raises(RuntimeError, match="simulated failure in forward"):
+        _loss(sm)
+    embed = sm.runtime.embed
+    with torch.no_grad():
+        embed.master.mul_(2.0)  # a change the embedding must see
+        got = sm.get_input_embeddings()(_ids(0))
+    want = 2.0 * build(num_hidden_layers=4).model.embed_tokens(_ids(0))
+    assert torch.equal(got, want)
+    with pytest.raises(yashard.OrderError, match=r"layer_0 ran outside a forward of the whole model"):
+        sm.module.model(input_ids=_ids(0))
+    _loss(sm).backward()
 
 
 def test_a_parameter_added_after_shard_is_refused_at_the_step(pg):

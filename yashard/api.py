@@ -139,7 +139,7 @@ def _answer_device_and_dtype(module: nn.Module, runtime: Runtime) -> None:
         skip = ({f"{name}.weight" for name, m in self.named_modules() if isinstance(m, nn.Embedding)}
                 if exclude_embeddings else set())
         sharded = sum(entry.numel for u in _units(self) for entry, fqns in zip(u.layout.entries, u.fqns)
-                      if not skip.intersection(fqns))  # (every sharded parameter is trainable)
+                      if not skip.intersection(fqns) and (u.master.requires_grad or not only_trainable))
         return cls.num_parameters(self, only_trainable, exclude_embeddings) + sharded
 
     def get_memory_footprint(self, return_buffers=True):
@@ -148,10 +148,12 @@ def _answer_device_and_dtype(module: nn.Module, runtime: Runtime) -> None:
 
     def generate(self, *args, **kwargs):
         # every forward gathers over the shard group: a rank that finished early must keep stepping
-        # (HF turns synced_gpus on by itself for FSDP and ZeRO-3 models, not for this one)
+        # (HF turns synced_gpus on by itself for FSDP and ZeRO-3 models, not for this one). HF agrees
+        # on "all finished" over the whole world, so only where the shard group is the whole world:
+        # under hybrid sharding every rank might not generate (pass synced_gpus=True if all do)
         if kwargs.get("synced_gpus") is None:
             rt = self.__dict__["_yashard_runtime"]()
-            kwargs["synced_gpus"] = rt is not None and rt.comm.shard_world > 1
+            kwargs["synced_gpus"] = rt is not None and 1 < rt.comm.shard_world == torch.distributed.get_world_size()
         return cls.generate(self, *args, **kwargs)
 
     def requires_grad_(self, requires_grad: bool = True):
@@ -251,9 +253,10 @@ class ShardedModel(nn.Module):
             groups.append({"params": [rt.small.master], "weight_decay": 0.0})
         return groups
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the gradients of all shards by their global norm; returns the norm before clipping."""
-        return self._runtime.clip_grad_norm_(max_norm, norm_type)
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip the gradients of all shards by their global norm; returns the norm before clipping.
+        ``error_if_nonfinite``: raise before clipping if that norm is NaN or inf (as torch's)."""
+        return self._runtime.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
 
     def memory_plan(self) -> MemoryPlan:
         """Bytes this rank holds, per buffer, with the formula (fixed from ``shard()`` on)."""

@@ -31,7 +31,8 @@ class ShardedGradScaler(torch.amp.GradScaler):
         move state with ``state_dict()`` / ``load_state_dict()``.
       * it stops a run that cannot recover: when ``update()`` lowers the scale below ``min_scale``
         (default 1.0, as DeepSpeed's ``min_loss_scale``), it raises :class:`yashard.NonFiniteError`
-        saying how many steps in a row were skipped. Gradients that are not finite at a scale
+        saying how many steps in a row were skipped (on CUDA at the next ``update()``: the flag is
+        read one step late, so no step waits for the GPU). Gradients that are not finite at a scale
         under 1 are not an fp16 range problem loss scaling can fix: usually the forward itself
         overflows float16 (the loss is inf), and a plain ``GradScaler`` would skip every step from
         then on without a word. ``min_scale=None`` turns the check off. All ranks hold the same
@@ -53,7 +54,8 @@ class ShardedGradScaler(torch.amp.GradScaler):
         self._comm = rt.comm
         self._device_of_model = rt.device
         self.min_scale = min_scale
-        self._skipped_in_a_row = 0
+        self._streak = torch.zeros((), dtype=torch.int64)   # steps skipped in a row (on the scale's device)
+        self._floor_check = None  # CUDA: (pinned host copy of the last update's flags, its event)
         if self.is_enabled():
             rt.grad_scalers.add(self)
 
@@ -61,18 +63,40 @@ class ShardedGradScaler(torch.amp.GradScaler):
         # the process group cannot be pickled: a copy (deepcopy, torch.save) is not attached to a model
         state = super().__getstate__()
         state["_comm"] = None
+        state["_floor_check"] = None
         return state
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
-        if not self.is_enabled() or new_scale is not None:
+        if not self.is_enabled() or new_scale is not None or self.min_scale is None:
             return super().update(new_scale)
         found = [v for state in self._per_optimizer_states.values() for v in state["found_inf_per_device"].values()]
-        skipped = bool(sum(v.item() for v in found))  # (GradScaler.step synced on these already)
         super().update()  # (raises if no step recorded an inf check)
-        self._skipped_in_a_row = self._skipped_in_a_row + 1 if skipped else 0
-        if skipped and self.min_scale is not None and (scale := self.get_scale()) < self.min_scale:
+        dev = self._scale.device
+        skipped = torch.stack([v.to(dev) for v in found]).sum() > 0
+        self._streak = torch.where(skipped, self._streak.to(dev) + 1, 0)
+        # [below min_scale after a skip, steps skipped in a row, scale], computed on the device
+        state = torch.stack([(skipped & (self._scale < self.min_scale)).double(), self._streak.double(),
+                             self._scale.double().reshape(())])
+        if dev.type != "cuda":
+            return self._check_floor(state.tolist())
+        # CUDA: read the previous step's flags (finished long ago) and queue this step's copy, so the
+        # step never waits for the GPU here; a run that cannot recover stops one step later
+        previous, self._floor_check = self._floor_check, None
+        if previous is not None:
+            host, event = previous
+            event.synchronize()
+            self._check_floor(host.tolist())
+        host = torch.empty(3, dtype=torch.float64, pin_memory=True)
+        host.copy_(state, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._floor_check = (host, event)
+
+    def _check_floor(self, state: list) -> None:
+        below, streak, scale = state
+        if below:
             raise NonFiniteError(
-                f"ShardedGradScaler: {self._skipped_in_a_row} optimizer step(s) in a row were skipped for non-finite "
+                f"ShardedGradScaler: {int(streak)} optimizer step(s) in a row were skipped for non-finite "
                 f"gradients and the loss scale fell to {scale:g}, below min_scale={self.min_scale:g}: the gradients "
                 "are not finite at any scale, which loss scaling cannot fix. If the loss is inf or NaN, the forward "
                 "overflows float16 (values past 65504): train with param_dtype=torch.bfloat16 or torch.float32; if the "

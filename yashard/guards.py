@@ -100,11 +100,7 @@ def _wrap_torch_clip() -> None:
                 "of a sharded model's shards: the global norm is defined over one whole model. Clip each sharded "
                 "model with model.clip_grad_norm_(max_norm), or pass exactly model.parameters()"
             )
-        total = rt.clip_grad_norm_(max_norm, norm_type)
-        if error_if_nonfinite and not bool(torch.isfinite(total)):
-            raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
-                               "non-finite, so it cannot be clipped (error_if_nonfinite=True)")
-        return total
+        return rt.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
 
     clip_grad_norm_.__wrapped__ = torch_clip
     nn_utils.clip_grad_norm_ = clip_module.clip_grad_norm_ = clip_grad_norm_
@@ -161,10 +157,17 @@ def _shape_aware_optimizers() -> tuple:
     return tuple(kinds)
 
 
+# the same kinds outside torch, by class name: transformers' Adafactor (HF Trainer's optim="adafactor"),
+# LAMB / LARS (per-parameter trust ratios), Shampoo and SOAP (matrix preconditioners)
+_SHAPE_AWARE_NAMES = {"Adafactor", "LBFGS", "Muon", "Lamb", "LAMB", "FusedLAMB", "Lars", "LARS", "Shampoo",
+                      "DistributedShampoo", "SOAP"}
+
+
 def check_optimizer_kind(optimizer) -> None:
     """Refuse the optimizers a sharded model's flat master shards would make compute something else."""
     kinds = _shape_aware_optimizers()
-    if not isinstance(optimizer, kinds):
+    named = next((c.__name__ for c in type(optimizer).__mro__ if c.__name__ in _SHAPE_AWARE_NAMES), None)
+    if not isinstance(optimizer, kinds) and named is None:
         return
     name = type(optimizer).__name__
     if name == "ZeroRedundancyOptimizer":

@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import logging
 import math
+import types
 import weakref
 import zlib
 
@@ -86,6 +87,8 @@ class Runtime:
         groups = self._partition(model, spec)
         self._build_units(groups)
         self._install_hooks(spec)
+        for module in list(model.modules())[1:]:  # (the root's requires_grad_ reaches the shards: api.py)
+            object.__setattr__(module, "requires_grad_", types.MethodType(_refuse_freezing, module))
         model._yashard_sharded = True
 
     # ------------------------------------------------------------------ construction
@@ -347,7 +350,7 @@ class Runtime:
     def _install_hooks(self, spec: ModelSpec) -> None:
         model = self.model
         self._hooks.append(model.register_forward_pre_hook(self._root_pre_forward))
-        self._hooks.append(model.register_forward_hook(self._root_post_forward))
+        self._hooks.append(model.register_forward_hook(self._root_post_forward, always_call=True))
         modules = {"embed": get_path(model, spec.embed), "lm_head": get_path(model, spec.lm_head)}
         layer_modules = get_path(model, spec.layers)
         ckpt = self.config.checkpoint_layers
@@ -420,18 +423,18 @@ class Runtime:
         per optimizer step, however many micro-batches it has; so are the units gathered right
         after the step (:meth:`after_optimizer_step`) and, with gradient accumulation, the layers
         the previous backward left in the slots."""
+        grad = torch.is_grad_enabled()
+        self._check_slot_writes()  # (the checks change no state: a refused forward leaves none behind)
+        if grad:
+            self._check_masters()
         if self.in_backward:
             self._recover_from_failed_backward()
-        self._check_slot_writes()
         self._root_active = True
         self._drain()
         self.streams.capture_compute()
-        grad = torch.is_grad_enabled()
         if grad:
             self.grad_fwd_id += 1
             self._fwd_sync = self.require_grad_sync
-        if grad:
-            self._check_masters()
         self._fwd_cursor = 0
         self._bwd_last_layer = None
         self._refresh_sources()
@@ -461,7 +464,8 @@ class Runtime:
                 if owner is not None:
                     owner.gathered = None
                 raise RuntimeError(
-                    f"the gathered weights of {getattr(owner, 'name', 'a unit')} were written in place through the "
+                    f"the gathered weights of {self.module_name(owner) if owner is not None else 'a unit'} were "
+                    "written in place through the "
                     "model's modules (e.g. model.model.norm.weight.fill_(1.0)): they are a copy gathered from the "
                     "master shards, so the write would be used until the next gather, then lost, and "
                     "full_state_dict() would not show it. Write the weights through yashard (dcp.load into "
@@ -794,26 +798,29 @@ class Runtime:
 
     def _recover_from_failed_backward(self) -> None:
         """Run by the next forward when a backward raised (autograd then drops its final callback,
-        :meth:`_end_backward`): its reductions in flight are waited for and thrown away, the
-        gradients of every unit it reached are zeroed (where ``.grad`` is still attached: a
-        ``zero_grad(set_to_none=True)`` since stays), and the gradient slots are released, so the
-        next backward starts clean and the same on every device (the "skip the batch that ran out of
-        memory" pattern: catch, ``zero_grad()``, go on)."""
-        logger.warning("yashard: the previous backward did not finish (it raised); the gradients of the units it "
-                       "reached are zeroed and the runtime is reset for the next backward")
+        :meth:`_end_backward`): its reductions in flight are waited for and thrown away, every
+        gradient is zeroed (where ``.grad`` is still attached: a ``zero_grad(set_to_none=True)`` since
+        stays; under ``no_sync()`` what the unit buffers accumulated is dropped too), and the runtime
+        is reset, so the next backward starts clean and the same on every device: the step the
+        failed micro-batch belonged to is lost, as after ``zero_grad()`` (the "skip the batch that ran
+        out of memory" pattern). Until then the step, ``clip_grad_norm_`` and ``full_grads`` refuse
+        (:meth:`check_grads_reduced`). It needs every rank to have failed alike: a rank that raised
+        alone leaves the others waiting in a collective."""
+        logger.warning("yashard: the previous backward did not finish (it raised); every gradient is zeroed and "
+                       "the runtime is reset for the next backward (the step it belonged to is lost)")
         self._discard_reductions = True
         try:
             self._drain()
         finally:
             self._discard_reductions = False
-            reached = [u for u in self.units if (u.reduced_in_pass or u.grad_unwritten or u.grad_claimed)
-                       and u.master.grad is u.grad_storage]
-            if reached:
-                torch._foreach_zero_([u.grad_storage for u in reached])
+            attached = [u.grad_storage for u in self.units if u.master.grad is u.grad_storage]
+            if attached:
+                torch._foreach_zero_(attached)
             for u in self.units:
                 u.grad_unwritten = False
                 u.grad_claimed = False
                 u.reduced_in_pass = False
+                u.unreduced = False  # (a no_sync() accumulation: the next backward writes afresh)
                 if u.views_until == "backward":
                     u.remove_views()
             for slot in self.slots.values():
@@ -878,7 +885,13 @@ class Runtime:
             )
 
     def check_grads_reduced(self, what: str) -> None:
-        """Raise if a ``no_sync()`` backward left gradients that were never reduced across ranks."""
+        """Raise if a ``no_sync()`` backward left gradients that were never reduced across ranks, or
+        if the last backward raised (its gradients are incomplete until the next forward resets)."""
+        if self.in_backward:
+            raise RuntimeError(
+                f"{what} after a backward that raised: its gradients are incomplete (some reductions never ran). "
+                "Call optimizer.zero_grad() and go on with the next batch: its forward resets the runtime"
+            )
         held = [self.module_name(u) for u in self.units if u.unreduced]
         if held:
             names = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
@@ -936,11 +949,12 @@ class Runtime:
         return out
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
         """Clip every gradient shard by the global norm (a collective over the shard group);
         returns the norm before clipping. No temporary the size of a shard is allocated (see
         :func:`_squares_per_tensor`). Records which units' gradients were finite
-        (:meth:`grads_finite`)."""
+        (:meth:`grads_finite`). ``error_if_nonfinite``: raise, before clipping, if the norm is not
+        finite (as torch's; it reads the norm on the host)."""
         self.check_grads_reduced("clip_grad_norm_")
         norm_type = float(norm_type)
         grads = [u.master.grad for u in self.units if u.master.grad is not None]
@@ -957,6 +971,9 @@ class Runtime:
             sq = parts.sum().float()
             self.comm.all_reduce(sq, "clip_grad_norm")  # over the shard group: replicas are identical
             total = sq.sqrt()
+        if error_if_nonfinite and not bool(torch.isfinite(total)):
+            raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite, so it cannot be "
+                               "clipped (error_if_nonfinite=True); the gradients are left as they are")
         coef = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
         if grads:
             # Which units' gradients were finite, read off the partial norms before the product
@@ -1089,8 +1106,8 @@ _MARKED_CLASSES: dict[type, type] = {}
 
 
 def _refuse_freezing(self, requires_grad: bool = True):
-    """``requires_grad_`` of an HF module whose parameters yashard sharded: ``False`` would change
-    nothing (the module holds no parameter any more), so it raises."""
+    """``requires_grad_`` of every submodule of a sharded HF model: ``False`` would change nothing
+    (the modules hold no parameter any more), so it raises."""
     if not requires_grad:
         raise ValueError(
             f"{type(self).__name__}.requires_grad_(False) on a yashard-sharded model: its parameters live in the "
@@ -1130,8 +1147,7 @@ def _mark_sharded(module: nn.Module, attr: str, fqn: str, shape: torch.Size) -> 
                     del self.__dict__[a]
 
         module.__class__ = same_named_subclass(cls, _MARKED_CLASSES,
-                                               {"__getattr__": __getattr__, "extra_repr": extra_repr,
-                                                "requires_grad_": _refuse_freezing})
+                                               {"__getattr__": __getattr__, "extra_repr": extra_repr})
     module.__dict__.setdefault("_yashard_sharded", {})[attr] = (fqn, torch.Size(shape))
 
 

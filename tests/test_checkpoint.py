@@ -550,6 +550,31 @@ def test_error_truncated_and_garbage_files(saved):
         yashard.load_checkpoint(root, _fresh()[0])
 
 
+def test_error_damaged_bytes_and_a_file_from_another_save(saved):
+    """Same size, valid header: flipped bytes in the data fail the per-piece CRC-32 of the index;
+    a shard file copied in from another save fails the save name in its metadata. Nothing is loaded."""
+    root, save_dir = saved
+    f = save_dir / "shard-00000-of-00001.safetensors"
+    data = f.read_bytes()
+    header_end = 8 + int.from_bytes(data[:8], "little")
+    mid = (header_end + len(data)) // 2
+    f.write_bytes(data[:mid] + bytes(b ^ 0x5A for b in data[mid:mid + 64]) + data[mid + 64:])
+    sm = _fresh()[0]
+    before = [u.master.clone() for u in sm.runtime.units]
+    with pytest.raises(CheckpointError, match=r"shard-00000-of-00001\.safetensors: the bytes of tensor '.*' do not "
+                                              r"match the checksum the save recorded \(CRC-32\): the file was damaged"):
+        yashard.load_checkpoint(root, sm)
+    assert all(torch.equal(a, u.master) for a, u in zip(before, sm.runtime.units))   # nothing modified
+    f.write_bytes(data)
+    other = yashard.save_checkpoint(root.parent / "other", *_trained()[:2])
+    f.write_bytes((other / f.name).read_bytes())
+    with pytest.raises(CheckpointError, match=rf"was written by the save {other.name}, not by {save_dir.name} whose "
+                                              r"index lists it: a shard file was copied in from another checkpoint"):
+        yashard.load_checkpoint(root, sm)
+    f.write_bytes(data)
+    yashard.load_checkpoint(root, sm)  # restored: loads
+
+
 class _Trap:
     """Unpickling this creates a file: proof that something unpickled the shard."""
 

@@ -22,11 +22,13 @@ of the parameter's flattened elements and the kind is ``master`` (the fp32 maste
 world, shard world and replica world of the save; ``model`` (class, config class, the config itself,
 and a sha256 ``fingerprint`` of the parameter names, shapes and ties); ``files`` (name -> bytes and
 shard rank); ``params`` (every HF parameter, by its canonical name: full ``shape``, the ``unit``,
-the names ``tied`` to it, and its ``pieces``: file, ``lo``, ``hi`` and the tensor key per kind);
+the names ``tied`` to it, and its ``pieces``: file, ``lo``, ``hi``, the tensor key per kind and the
+``crc32`` of each tensor's bytes, checked at load over every piece a rank reads);
 ``optimizer`` (``null`` or: class, module, ``param_groups`` as unit names plus every
 hyperparameter but ``params``, and per unit the sharded state keys with their dtypes and the
 replicated scalars, e.g. AdamW's ``step``, taken from rank 0); and the user's ``extra``.
-Non-JSON values (0-d tensors, tuples) are stored as tagged objects (``{"__tensor__": dtype,
+Each shard file's safetensors metadata names the save that wrote it (``save``), so a file copied in
+from another save is refused. Non-JSON values (0-d tensors, tuples) are stored as tagged objects (``{"__tensor__": dtype,
 "value": x}``, ``{"__tuple__": [...]}``). Nothing is ever pickled; a pickle or ``torch.save``
 file where a shard should be is refused unread.
 
@@ -60,6 +62,7 @@ import os
 import re
 import secrets
 import shutil
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
@@ -79,6 +82,7 @@ logger = logging.getLogger("yashard")
 FORMAT = "yashard-checkpoint"
 FORMAT_VERSION = 1
 INDEX = "index.json"
+_CRC_CHUNK = 1 << 22  # elements per read while checking a piece's checksum
 POINTER = "LATEST"
 SAVE_DIR_RE = re.compile(r"^save-(\d{6,})-([0-9a-f]{8})$")
 SHARD_FILE_RE = re.compile(r"^shard-(\d{5,})-of-(\d{5,})\.safetensors$")
@@ -157,6 +161,11 @@ def params_diff(ckpt: dict[str, str], model: dict[str, str], limit: int = 5) -> 
 def fingerprint(described: dict[str, str]) -> str:
     """sha256 of the sorted parameter descriptions (names, shapes, ties)."""
     return hashlib.sha256(json.dumps(sorted(described.items())).encode()).hexdigest()
+
+
+def tensor_crc32(t: torch.Tensor, crc: int = 0) -> int:
+    """CRC-32 of a contiguous CPU tensor's bytes (any dtype), continuing ``crc``."""
+    return zlib.crc32(t.contiguous().view(-1).view(torch.uint8).numpy(), crc)
 
 
 def _dtype_name(d: torch.dtype) -> str:
@@ -388,18 +397,23 @@ def _write_rank_file(save_dir: Path, rt: "Runtime", optimizer, opt_meta: dict | 
     fname = shard_file_name(comm.shard_rank, comm.shard_world)
     writer = StreamedSafetensors(save_dir / fname, specs, metadata={
         "format": "pt", "yashard_checkpoint": str(FORMAT_VERSION),
-        "shard_rank": str(comm.shard_rank), "shard_world": str(comm.shard_world)})
+        "shard_rank": str(comm.shard_rank), "shard_world": str(comm.shard_world), "save": save_dir.name})
+    crcs: dict[str, int] = {}
     try:
         cached: tuple[Any, str, torch.Tensor] | None = None
         with torch.no_grad():
             for key, u, kind, start, n in jobs:
                 if cached is None or cached[0] is not u or cached[1] != kind:
                     cached = (u, kind, source(u, kind).to("cpu"))  # one unit's shard on the host at a time
-                writer.write(key, cached[2][start:start + n])
+                piece = cached[2][start:start + n]
+                crcs[key] = tensor_crc32(piece)
+                writer.write(key, piece)
     except BaseException:
         writer.abort()
         raise
     writer.close()
+    for pc in pieces:
+        pc["crc32"] = {kind: crcs[key] for kind, key in pc["keys"].items()}
     scalars = {unit: s["scalars"] for unit, s in state_meta.items()}
     return {"file": fname, "bytes": writer.nbytes, "shard_rank": comm.shard_rank, "pieces": pieces,
             "sharded": sharded, "scalars": scalars}
@@ -417,7 +431,8 @@ def _build_index(rt: "Runtime", metas: list[dict], opt_meta: dict | None, extra:
     for meta in metas:
         files[meta["file"]] = {"bytes": meta["bytes"], "shard_rank": meta["shard_rank"]}
         for pc in meta["pieces"]:
-            params[pc["param"]]["pieces"].append({"file": meta["file"], "lo": pc["lo"], "hi": pc["hi"], "keys": pc["keys"]})
+            params[pc["param"]]["pieces"].append({"file": meta["file"], "lo": pc["lo"], "hi": pc["hi"], "keys": pc["keys"],
+                                                  "crc32": pc["crc32"]})
     for name, p in params.items():
         p["pieces"].sort(key=lambda pc: pc["lo"])
         problem = coverage_problem(math.prod(p["shape"]), [(pc["lo"], pc["hi"]) for pc in p["pieces"]])
@@ -651,6 +666,7 @@ class _Read:
     piece_numel: int
     a: int
     b: int
+    crc32: dict | None = None  # per kind, of the whole stored piece (checkpoints written before it: None)
 
 
 def _plan_reads(index: dict, rt: "Runtime", shard_rank: int) -> dict[str, list[_Read]]:
@@ -668,7 +684,7 @@ def _plan_reads(index: dict, rt: "Runtime", shard_rank: int) -> dict[str, list[_
             for i, a, b in overlaps([(pc["lo"], pc["hi"]) for pc in pieces], plo, phi):
                 pc = pieces[i]
                 reads.append(_Read(u.name, lo - s0 + (a - plo), pc["file"], pc["keys"], pc["hi"] - pc["lo"],
-                                   a - pc["lo"], b - pc["lo"]))
+                                   a - pc["lo"], b - pc["lo"], pc.get("crc32")))
     return plan
 
 
@@ -678,6 +694,7 @@ class _Files:
     def __init__(self, save_dir: Path, index: dict, stack: contextlib.ExitStack):
         self.dir, self.index, self.stack = save_dir, index, stack
         self.handles: dict[str, Any] = {}
+        self.verified: set[tuple[str, int]] = set()  # pieces whose checksum was read and matched
 
     def get(self, fname: str):
         if fname in self.handles:
@@ -710,6 +727,12 @@ class _Files:
                 f"{f} is not a readable safetensors file ({type(e).__name__}: {e}); it is corrupt: restore it or "
                 "load an earlier checkpoint"
             ) from e
+        saved_by = (h.metadata() or {}).get("save")
+        if saved_by is not None and saved_by != self.dir.name:
+            raise CheckpointError(
+                f"{f} was written by the save {saved_by}, not by {self.dir.name} whose index lists it: a shard file "
+                "was copied in from another checkpoint; restore this save's own file or load an earlier checkpoint"
+            )
         self.handles[fname] = (h, set(h.keys()))
         return self.handles[fname]
 
@@ -725,6 +748,17 @@ class _Files:
                 f"{self.dir / read.file}: tensor {key!r} is {st} {shape}, the index expects "
                 f"{ST_DTYPES[_dtype_from_name(dtype)]} [{read.piece_numel}]; the file is damaged"
             )
+        want = (read.crc32 or {}).get(kind)
+        if want is not None and (key, want) not in self.verified:
+            crc, step = 0, _CRC_CHUNK
+            for lo in range(0, read.piece_numel, step):  # the whole piece, a bounded slice at a time
+                crc = tensor_crc32(read_flat_range(h, key, (read.piece_numel,), lo, min(lo + step, read.piece_numel)), crc)
+            if crc != want:
+                raise CheckpointError(
+                    f"{self.dir / read.file}: the bytes of tensor {key!r} do not match the checksum the save recorded "
+                    "(CRC-32): the file was damaged after the save; restore it or load an earlier checkpoint"
+                )
+            self.verified.add((key, want))
 
 
 def load_checkpoint(path: str | os.PathLike, model, optimizer: torch.optim.Optimizer | None = None) -> Any:

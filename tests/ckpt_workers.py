@@ -331,3 +331,19 @@ def yashard_load_continue(rank, world, root: str) -> dict:
     sm.load_sharded_optim_state_dict(opt, sd["optim"])
     _third_step(sm, opt, rank, world)
     return sm.full_state_dict()
+
+
+def save_misuse(rank, world, root: str, what: str) -> str | None:
+    """save_checkpoint with per-rank ``extra`` ("extra") or with each rank's path on its own disk
+    ("unshared": rank r writes under root/r, as on node-local disks); the error every rank raises."""
+    import yashard.checkpoint as ck
+
+    sm = yashard.shard(build("llama", seed=3))
+    ck._VISIBLE_TIMEOUT = 0.5
+    path = os.path.join(root, str(rank), "ck") if what == "unshared" else os.path.join(root, "ck")
+    extra = {"step": 3, "loader_pos": 100 * rank + 7} if what == "extra" else {"step": 3}
+    try:
+        yashard.save_checkpoint(path, sm, extra=extra)
+    except ck.CheckpointError as e:
+        return str(e)
+    return None

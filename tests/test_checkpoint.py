@@ -10,6 +10,7 @@ use a 1-rank gloo group in this process.
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import yashard
-from ckpt_workers import (DCP_MODELS, EXPORT_LIMIT, dcp_async_save, dcp_load, dcp_load_named, dcp_save,
+from ckpt_workers import (DCP_MODELS, save_misuse, EXPORT_LIMIT, dcp_async_save, dcp_load, dcp_load_named, dcp_save,
                           dcp_train_resume, fsdp2_dcp, fsdp2_train_save_continue, run_segments, save_then_killed_save,
                           segment, yashard_load_continue)
 from harness import run_distributed as launch, run_until_exit
@@ -573,6 +574,17 @@ def test_error_damaged_bytes_and_a_file_from_another_save(saved):
         yashard.load_checkpoint(root, sm)
     f.write_bytes(data)
     yashard.load_checkpoint(root, sm)  # restored: loads
+
+
+def test_error_per_rank_extra_and_an_unshared_path(tmp_path):
+    for msg in launch(save_misuse, 2, str(tmp_path / "x"), "extra"):
+        assert msg.startswith("save_checkpoint: extra differs between rank 0 and rank 1 (keys ['loader_pos']), and the "
+                              "checkpoint keeps one copy of it."), msg
+    msgs = launch(save_misuse, 2, str(tmp_path / "y"), "unshared")
+    assert all(m is not None for m in msgs), msgs
+    assert re.search(r"rank 1 cannot see .*/y/1/ck/save-\d+-[0-9a-f]+, which rank 0 created 0\.5 s ago: the checkpoint "
+                     r"path must be on a file system every rank shares", msgs[1]), msgs[1]
+    assert msgs[0].startswith("save_checkpoint failed on rank 1: CheckpointError: rank 1 cannot see"), msgs[0]
 
 
 class _Trap:

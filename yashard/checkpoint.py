@@ -481,6 +481,41 @@ def _cleanup(root: Path, keep: str) -> None:
             logger.warning("yashard: could not remove %s after the save: %s", root / name, e)
 
 
+def _check_same_extra(got: list) -> None:
+    """``extra`` is stored once: refuse a save whose ranks passed different values."""
+    digests = [d for _, d, _ in got]
+    r = next((i for i, d in enumerate(digests) if d != digests[0]), None)
+    if r is None:
+        return
+    a, b = got[0][2], got[r][2]
+    keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k)) if isinstance(a, dict) and isinstance(b, dict) else None
+    raise CheckpointError(
+        f"save_checkpoint: extra differs between rank 0 and rank {r}"
+        + (f" (keys {keys})" if keys else "") + ", and the checkpoint keeps one copy of it. Pass the same extra on "
+        "every rank; per-rank state (RNG states, data-loader positions) can go in as a list of every rank's value "
+        "(torch.distributed.all_gather_object), indexed by rank after load_checkpoint"
+    )
+
+
+_VISIBLE_TIMEOUT = 10.0  # seconds a writer waits to see the save directory rank 0 created
+
+
+def _wait_visible(save_dir: Path, rank: int) -> None:
+    """Rank 0 created ``save_dir``; every writer must see it (a file system all ranks share). Waits a
+    little for a network file system's directory cache, then refuses."""
+    import time
+
+    timeout = _VISIBLE_TIMEOUT
+    deadline = time.monotonic() + timeout
+    while not save_dir.is_dir():
+        if time.monotonic() > deadline:
+            raise CheckpointError(
+                f"rank {rank} cannot see {save_dir}, which rank 0 created {timeout:g} s ago: the checkpoint path must "
+                "be on a file system every rank shares (each rank writes its shard file into that one directory)"
+            )
+        time.sleep(0.05)
+
+
 def save_checkpoint(path: str | os.PathLike, model, optimizer: torch.optim.Optimizer | None = None, *,
                     extra: Any = None) -> Path:
     """Save ``model``'s fp32 master shards, ``optimizer``'s state and ``extra`` to the directory ``path``.
@@ -497,21 +532,24 @@ def save_checkpoint(path: str | os.PathLike, model, optimizer: torch.optim.Optim
     rt = _runtime(model, "save_checkpoint")
     comm = rt.comm
     root = Path(path)
-    err, name, opt_meta = None, None, None
+    err, name, opt_meta, digest = None, None, None, None
     try:
         extra = check_extra(extra)
+        digest = hashlib.sha256(json.dumps(extra, sort_keys=True).encode()).hexdigest()
         opt_meta = _optimizer_meta(optimizer, rt)
         if comm.rank == 0:
             name = _prepare_root(root)
     except Exception as e:  # noqa: BLE001 - shared with every rank by _agree
         err = e
-    name = _agree(comm, "save_checkpoint", err, name)[0]
+    got = _agree(comm, "save_checkpoint", err, (name, digest, extra))
+    name = got[0][0]
     save_dir = root / name
+    _check_same_extra(got)
 
     err, meta = None, None
     try:
         if comm.replica_rank == 0:
-            save_dir.mkdir(parents=True, exist_ok=True)  # already there on a shared file system
+            _wait_visible(save_dir, comm.rank)
             meta = _write_rank_file(save_dir, rt, optimizer, opt_meta)
     except Exception as e:  # noqa: BLE001
         err = e

@@ -347,3 +347,37 @@ def save_misuse(rank, world, root: str, what: str) -> str | None:
     except ck.CheckpointError as e:
         return str(e)
     return None
+
+
+class _PerRankScalar(torch.optim.SGD):
+    """SGD that also keeps a 0-d statistic of each parameter (here: of this rank's shard)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        super().step(closure)
+        for g in self.param_groups:
+            for p in g["params"]:
+                self.state[p]["rms"] = p.norm()
+
+
+def dcp_optimizer_scalars(rank, world) -> dict:
+    """Scalar optimizer state under DCP: NAdam's mu_product (the same on every rank) goes through;
+    a statistic of each rank's shard is refused; a fresh Rprop (whose first state depends on lr) is
+    refused before anything changes."""
+    out = {}
+    for name, make in (("nadam", lambda ps: torch.optim.NAdam(ps, lr=1e-3)),
+                       ("per_rank", lambda ps: _PerRankScalar(ps, lr=1e-3)),
+                       ("rprop", lambda ps: torch.optim.Rprop(ps, lr=1e-3))):
+        sm = yashard.shard(build("llama", seed=3))
+        opt = make(sm.parameters())
+        if name != "rprop":
+            ids = batches(1, 2 * world, 8, 96)[0].chunk(world)[rank]
+            sm(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+        try:
+            sd = sm.sharded_optim_state_dict(opt)
+            out[name] = sorted({k for st in sd["state"].values() for k in st})
+        except ValueError as e:
+            out[name] = str(e)
+        out[name + "_state"] = len(opt.state)
+    return out

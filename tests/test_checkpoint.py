@@ -22,7 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import yashard
-from ckpt_workers import (DCP_MODELS, save_misuse, EXPORT_LIMIT, dcp_async_save, dcp_load, dcp_load_named, dcp_save,
+from ckpt_workers import (DCP_MODELS, dcp_optimizer_scalars, save_misuse, EXPORT_LIMIT, dcp_async_save, dcp_load, dcp_load_named, dcp_save,
                           dcp_train_resume, fsdp2_dcp, fsdp2_train_save_continue, run_segments, save_then_killed_save,
                           segment, yashard_load_continue)
 from harness import run_distributed as launch, run_until_exit
@@ -882,11 +882,16 @@ def test_dcp_optimizer_state_of_a_fresh_optimizer_changes_nothing(pg):
     assert set(sd["state"]) == {fqns[0] for u in sm.runtime.units for fqns in u.fqns}
 
 
-def test_dcp_optimizer_state_refuses_per_rank_scalars_and_regrouped_checkpoints(pg):
-    sm, opt = _fresh(opt_cls=_DecayIgnoringLr, scalar=True)
-    with pytest.raises(ValueError, match=r"_DecayIgnoringLr keeps state 'rms' \(shape \(\)\) computed from this rank's "
-                                         r"shard alone; DCP would store one rank's value for every rank"):
-        sm.sharded_optim_state_dict(opt)
+def test_dcp_optimizer_scalar_state_and_fresh_state_that_would_differ():
+    for out in launch(dcp_optimizer_scalars, 2):
+        assert out["nadam"] == ["exp_avg", "exp_avg_sq", "mu_product", "step"], out
+        assert out["per_rank"].startswith("_PerRankScalar keeps scalar state 'rms' of embed that differs between ranks "), out
+        assert out["rprop"].startswith("Rprop has no state yet, and creating it here (a zero-gradient step) would not "
+                                       "give the state its first real step starts from"), out
+        assert out["rprop_state"] == 0   # refused before anything was created
+
+
+def test_dcp_optimizer_state_refuses_regrouped_checkpoints(pg):
     sm, opt = _trained()
     sd = sm.sharded_optim_state_dict(opt)
     norms = sd["param_groups"][1]["params"]

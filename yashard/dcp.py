@@ -204,6 +204,12 @@ def _init_state(rt, optimizer, units: list) -> None:
                 value.zero_()
 
 
+# torch optimizers whose state, created by _init_state (a zero-gradient step at lr 0, then zeroed),
+# is not what their first real step starts from (Rprop's step sizes start at lr, NAdam's mu_product
+# at 1, ASGD's averages, SGD's momentum with dampening): they need state from a real step first.
+_FRESH_STATE_WRONG = {"Rprop", "NAdam", "ASGD", "LBFGS", "SparseAdam"}
+
+
 def sharded_optim_state_dict(rt, optimizer) -> dict:
     """``{"state": {name: {key: value}}, "param_groups": [{..., "params": [names]}]}`` for DCP, in the
     layout torch.distributed.checkpoint.state_dict gives FSDP2's optimizers: per HF parameter (its
@@ -213,23 +219,41 @@ def sharded_optim_state_dict(rt, optimizer) -> dict:
     groups = optimizer_units(rt, optimizer)
     units = [u for g in groups for u in g]
     if any(not optimizer.state.get(u.master) for u in units):
+        name = type(optimizer).__name__
+        if name in _FRESH_STATE_WRONG or (name == "SGD" and any(g.get("dampening") for g in optimizer.param_groups)):
+            raise ValueError(
+                f"{name} has no state yet, and creating it here (a zero-gradient step) would not give the state its "
+                "first real step starts from. Take sharded_optim_state_dict after the first optimizer step (to load "
+                "a checkpoint into a fresh optimizer, use yashard.load_checkpoint)"
+            )
         _init_state(rt, optimizer, units)
     rank = rt.comm.shard_rank
     state: dict[str, dict] = {}
+    scalars = []  # 0-d state tensors other than 'step': stored once, so they must agree across ranks
     for u in units:
         per_key = {}
         for key, value in optimizer.state[u.master].items():
             if torch.is_tensor(value) and value.shape == u.master.shape and value.dim() == 1:
                 per_key[key] = _entry_views(u, value, rank)
+            elif torch.is_tensor(value) and value.dim() == 0 and key != "step":
+                scalars.append((u.name, key, value.item()))
             elif torch.is_tensor(value) and key != "step":
                 raise ValueError(
-                    f"{type(optimizer).__name__} keeps state {key!r} (shape {tuple(value.shape)}) computed from this "
-                    "rank's shard alone; DCP would store one rank's value for every rank. Only state shaped like "
-                    "the master shards and a shared 'step' can go through DCP: save with yashard.save_checkpoint"
+                    f"{type(optimizer).__name__} keeps state {key!r} of shape {tuple(value.shape)}, neither shaped like "
+                    "the master shard nor a scalar: DCP cannot store it per parameter. Save with yashard.save_checkpoint"
                 )
         for i, fqns in enumerate(u.fqns):
             state[fqns[0]] = {key: per_key[key][i] if key in per_key else value
                               for key, value in optimizer.state[u.master].items()}
+    every = rt.comm.all_gather_object(scalars, "sharded_optim_state_dict (scalar state)")
+    for other, theirs in enumerate(every):
+        if theirs != every[0]:
+            (unit, key, v), (_, _, w) = next((a, b) for a, b in zip(every[0], theirs) if a != b)
+            raise ValueError(
+                f"{type(optimizer).__name__} keeps scalar state {key!r} of {unit} that differs between ranks ({v} on "
+                f"rank 0, {w} on rank {other}): it was computed from each rank's shard, and DCP would store one "
+                "rank's value for every rank. Save with yashard.save_checkpoint"
+            )
     param_groups = [{**{k: v for k, v in g.items() if k != "params"},
                      "params": [fqns[0] for u in units for fqns in u.fqns]}
                     for g, units in zip(optimizer.param_groups, groups)]

@@ -693,6 +693,23 @@ def test_export_over_a_model_folder_keeps_its_other_files(pg, tmp_path):
     assert all(torch.equal(got[k], full[k]) for k in got)
 
 
+def test_export_through_a_symlinked_folder(pg, tmp_path):
+    """As save_pretrained: a symlinked folder is written through (the link stays, its target gets the
+    export), and a dangling link's target is created."""
+    sm, _ = _trained(steps=1)
+    yashard.export_hf(sm, tmp_path / "real")                  # a model folder, now with a tokenizer too
+    (tmp_path / "real" / "tokenizer.json").write_text("{}")
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    yashard.export_hf(sm, tmp_path / "link")
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "real" / "model.safetensors").is_file()
+    assert (tmp_path / "real" / "tokenizer.json").is_file()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]   # no temporary left behind
+    (tmp_path / "dangling").symlink_to(tmp_path / "later")
+    yashard.export_hf(sm, tmp_path / "dangling")
+    got = load_file(str(tmp_path / "later" / "model.safetensors"))
+    assert all(torch.equal(got[k], v) for k, v in sm.full_state_dict().items() if k in got)
+
+
 def test_export_failure_keeps_the_previous_export(pg, tmp_path, monkeypatch):
     sm, _ = _trained(steps=1)
     yashard.export_hf(sm, tmp_path / "hf")

@@ -193,7 +193,7 @@ def export_hf(model, path: str | os.PathLike, *, dtype: torch.dtype | None = Non
     specs: list[list] = [[] for _ in range(n_files)]
     for (e, nm), f in zip(tensors, file_of):
         specs[f].append((nm, dtype, e.shape))
-    dest = Path(path)
+    dest = Path(os.path.realpath(path))  # a symlinked folder: write (and swap) its target, as save_pretrained
     err, tmp = None, None
     try:
         if comm.rank == 0:

@@ -529,6 +529,21 @@ def test_error_model_mismatch(saved, family, overrides, expected):
     assert all(torch.equal(a, u.master) for a, u in zip(before, sm.runtime.units))   # nothing modified
 
 
+def test_loading_into_a_model_configured_otherwise_warns(saved, caplog):
+    """Same parameters, another activation and norm epsilon: the weights load, and the log names
+    what differs (the model would compute something else than the one that was trained)."""
+    root, _ = saved
+    sm, _ = _fresh(overrides={"hidden_act": "relu", "rms_norm_eps": 0.5})
+    with caplog.at_level("WARNING", logger="yashard"):
+        yashard.load_checkpoint(root, sm)
+    msgs = [r.getMessage() for r in caplog.records if "configured otherwise" in r.getMessage()]
+    assert len(msgs) == 1 and "hidden_act: 'silu' -> 'relu'; rms_norm_eps: 1e-06 -> 0.5" in msgs[0], msgs
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="yashard"):
+        yashard.load_checkpoint(root, _fresh()[0])
+    assert not [r for r in caplog.records if "configured otherwise" in r.getMessage()]
+
+
 def test_error_missing_rank_file(saved):
     root, save_dir = saved
     (save_dir / "shard-00000-of-00001.safetensors").unlink()

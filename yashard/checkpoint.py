@@ -654,6 +654,28 @@ def _check_model(index: dict, rt: "Runtime", save_dir: Path) -> None:
     if index["model"]["config_class"] != cfg_class:
         logger.warning("yashard: checkpoint %s was saved from a %s model, loading into a %s one (same parameters)",
                        save_dir, index["model"]["config_class"], cfg_class)
+        return
+    changed = config_diff(index["model"].get("config"), _config_dict(rt.model))
+    if changed and rt.comm.rank == 0:
+        logger.warning("yashard: checkpoint %s was saved from a model configured otherwise (same parameters): %s. "
+                       "The weights load, but the model computes something else than the one that was trained",
+                       save_dir, "; ".join(changed))
+
+
+# config fields that do not change what a model computes from its weights
+_CONFIG_NOISE = {"_name_or_path", "architectures", "transformers_version", "torch_dtype", "dtype", "use_cache",
+                 "_attn_implementation", "_attn_implementation_autoset", "attn_implementation", "output_attentions",
+                 "output_hidden_states", "return_dict", "bos_token_id", "eos_token_id", "pad_token_id",
+                 "max_position_embeddings", "_commit_hash", "id2label", "label2id", "problem_type", "tokenizer_class"}
+
+
+def config_diff(saved: dict | None, now: dict | None, limit: int = 5) -> list[str]:
+    """``field: saved -> now`` for the config fields that differ (those that change what the model
+    computes; the noise fields above are left out), at most ``limit``."""
+    if not saved or not now:
+        return []
+    keys = sorted(k for k in set(saved) | set(now) if k not in _CONFIG_NOISE and saved.get(k) != now.get(k))
+    return [f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in keys[:limit]]
 
 
 def _check_optimizer(index: dict, optimizer, rt: "Runtime", save_dir: Path) -> None:

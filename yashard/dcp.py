@@ -226,6 +226,15 @@ def sharded_optim_state_dict(rt, optimizer) -> dict:
                 "first real step starts from. Take sharded_optim_state_dict after the first optimizer step (to load "
                 "a checkpoint into a fresh optimizer, use yashard.load_checkpoint)"
             )
+        pending = ("between a forward and its backward" if rt.backward_pending else
+                   "while a model.no_sync() accumulation waits for its reducing backward"
+                   if any(u.unreduced for u in units) else None)
+        if pending:
+            raise RuntimeError(
+                f"{name} has no state yet, and creating it takes an optimizer step, which cannot run {pending}. "
+                "Call sharded_optim_state_dict between steps (after backward and the optimizer step), or run the "
+                "forward under torch.no_grad() if no backward follows it"
+            )
         _init_state(rt, optimizer, units)
     rank = rt.comm.shard_rank
     state: dict[str, dict] = {}

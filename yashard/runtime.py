@@ -72,6 +72,7 @@ class Runtime:
         self.in_backward = False
         self._discard_reductions = False
         self._root_active = False  # between the model's forward pre-hook and its forward hook
+        self.backward_pending = False  # a grad-enabled forward ran and its backward has not ended
         self.pending: list[Pending] = []
         self._last_reduction: Pending | None = None  # R6: the reduction writing reduce_out
         self.comm_hook = reduce_scatter_hook   # how each unit's gradients are reduced (comm_hooks.py)
@@ -435,6 +436,7 @@ class Runtime:
         if grad:
             self.grad_fwd_id += 1
             self._fwd_sync = self.require_grad_sync
+        self.backward_pending = grad  # (until its backward ends; a no-grad forward has none)
         self._fwd_cursor = 0
         self._bwd_last_layer = None
         self._refresh_sources()
@@ -795,6 +797,7 @@ class Runtime:
                     u.remove_views()
         finally:
             self.in_backward = False
+            self.backward_pending = False
 
     def _recover_from_failed_backward(self) -> None:
         """Run by the next forward when a backward raised (autograd then drops its final callback,
@@ -826,6 +829,7 @@ class Runtime:
             for slot in self.slots.values():
                 slot.grad_owner = None
             self.in_backward = False
+            self.backward_pending = False
 
     @record_function("yashard::drain")
     def _drain(self) -> None:

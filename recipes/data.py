@@ -125,7 +125,14 @@ def read_jsonl_pairs(path: str | Path) -> list[tuple[str, str]]:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            obj = json.loads(line)
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno}); every line must be "
+                                 "one {\"prompt\": ..., \"response\": ...} object") from None
+            if not isinstance(obj, dict):
+                raise ValueError(f"{path}:{lineno}: expected a {{\"prompt\": ..., \"response\": ...}} object, got "
+                                 f"a JSON {type(obj).__name__}")
             if "prompt" not in obj or "response" not in obj:
                 raise ValueError(f"{path}:{lineno}: expected keys 'prompt' and 'response', got {sorted(obj)}")
             pairs.append((str(obj["prompt"]), str(obj["response"])))
@@ -225,12 +232,19 @@ class SFTExamples:
                 "attention_mask": self.attention_mask[idx]}
 
 
-def split_train_eval(items, eval_fraction: float):
-    """Last ``eval_fraction`` of a token stream or example list is held out (at least one item)."""
+def split_train_eval(items, eval_fraction: float, what: str = "items", source: str | None = None):
+    """Last ``eval_fraction`` of a token stream or example list is held out (at least one item, and at
+    least one is left to train on); ``what`` and ``source`` name the items and where they come from in
+    the error."""
     n = len(items)
     n_eval = max(1, int(round(n * eval_fraction)))
     if n_eval >= n:
-        raise ValueError(f"cannot hold out {n_eval} of {n} items")
+        if n < 2:
+            count = f"{n} {what[:-1] if n == 1 and what.endswith('s') else what}"
+            raise ValueError(f"{source + ' has' if source else 'the data has'} only {count}: at least 2 are needed, one "
+                             "held out for evaluation (--eval-fraction) and at least one to train on; give more data")
+        raise ValueError(f"--eval-fraction {eval_fraction} of the {n} {what} {f'in {source} ' if source else ''}holds out "
+                         f"{n_eval}, leaving none to train on: lower --eval-fraction, or give more data")
     return items[: n - n_eval], items[n - n_eval :]
 
 
@@ -241,7 +255,7 @@ def build_datasets(data: str | None, tok, seq_len: int, eval_fraction: float = 0
     None: Python standard library sources; *.txt: plain LM on the file; *.jsonl: SFT pairs.
     """
     if data is not None and data.endswith(".jsonl"):
-        train, held = split_train_eval(read_jsonl_pairs(data), eval_fraction)
+        train, held = split_train_eval(read_jsonl_pairs(data), eval_fraction, "examples", data)
         train, held = SFTExamples(train, tok, seq_len, "training examples"), SFTExamples(held, tok, seq_len, "held-out examples")
         dropped = train.dropped + held.dropped
         note = f" ({dropped} left out: their prompt fills --seq-len {seq_len})" if dropped else ""
@@ -250,7 +264,7 @@ def build_datasets(data: str | None, tok, seq_len: int, eval_fraction: float = 0
         docs, name = stdlib_documents(max_bytes), "Python stdlib sources"
     else:
         docs, name = text_file_documents(data, max_bytes), data
-    train, held = split_train_eval(tokenize_documents(docs, tok), eval_fraction)
+    train, held = split_train_eval(tokenize_documents(docs, tok), eval_fraction, "tokens", name)
     for part, n in (("training", train.numel()), ("held-out", held.numel())):
         if n < seq_len:
             raise ValueError(

@@ -77,7 +77,7 @@ class TrainConfig:
     seed: int = field(default=0, metadata={"help": "seed for model init and batch sampling"})
     out_dir: str = field(default="runs/train", metadata={"help": "where logs, plot and checkpoint go"})
     log_every: int = field(default=1, metadata={"help": "write a log line / refresh the bar every N steps"})
-    save_every: int = field(default=10, metadata={"help": "sharded checkpoint (for --resume) every N steps and at the end (<= 0: never)"})
+    save_every: int = field(default=10, metadata={"help": "sharded checkpoint (for --resume) every N steps and at the end (<= 0: only at --stop-at)"})
     resume: bool = field(default=False, metadata={"help": "continue from the sharded checkpoint in out_dir/checkpoint, at any world size"})
     stop_at: int | None = field(default=None, metadata={"help": "stop after this step (saving a checkpoint), e.g. to split a run over job allocations; --resume continues"})
 
@@ -91,12 +91,86 @@ class TrainConfig:
             raise ValueError(f"{' and '.join(chosen)} each choose the model: pass only one of them")
         if self.stop_at is not None and not 1 <= self.stop_at <= self.steps:
             raise ValueError(f"--stop-at {self.stop_at} must be between 1 and --steps {self.steps}")
+        problem = _value_problem(self)
+        if problem:
+            raise ValueError(problem)
         if self.data is not None:
             if not self.data.endswith((".txt", ".jsonl")):
                 raise ValueError(f"--data {self.data}: unsupported file type; pass a .txt file (plain language "
                                  "modelling) or a .jsonl file of {\"prompt\", \"response\"} lines (SFT)")
             if not os.path.isfile(self.data):
                 raise ValueError(f"--data {self.data}: no such file")
+        if self.resume:  # the checkpoint's step, read from its index (load_checkpoint checks it all later)
+            ckpt = Path(self.out_dir) / "checkpoint"
+            problem = resume_problem(self, saved_step(ckpt), ckpt)
+            if problem:
+                raise ValueError(problem)
+
+
+def _value_problem(cfg: TrainConfig) -> str | None:
+    """What is wrong with a numeric option's value, with the fix; None if every one is in range."""
+    def bad(x: float, ok: bool) -> bool:
+        return not (math.isfinite(x) and ok)
+
+    if bad(cfg.lr, cfg.lr > 0):
+        return f"--lr {cfg.lr} must be a number > 0: the peak learning rate (e.g. 2e-3)"
+    if cfg.warmup_steps < 0:
+        return f"--warmup-steps {cfg.warmup_steps} must be >= 0 (0: no warmup)"
+    if bad(cfg.min_lr_ratio, 0 <= cfg.min_lr_ratio <= 1):
+        return (f"--min-lr-ratio {cfg.min_lr_ratio} must be between 0 and 1: the cosine schedule decays the learning "
+                "rate from --lr to --min-lr-ratio x --lr (0: down to zero, 1: constant after warmup)")
+    if bad(cfg.weight_decay, cfg.weight_decay >= 0):
+        return f"--weight-decay {cfg.weight_decay} must be a number >= 0 (0: no weight decay)"
+    if cfg.eval_batches < 1:
+        return (f"--eval-batches {cfg.eval_batches} must be >= 1: every run ends with an evaluation on that many "
+                "held-out batches (--eval-every <= 0 leaves out only the evaluations before the end)")
+    if cfg.max_bytes < 1:
+        return (f"--max-bytes {cfg.max_bytes} must be >= 1: the number of bytes of text read from --data (.txt) or "
+                "the standard library sources; leave it out for the default (4,000,000)")
+    if bad(cfg.eval_fraction, 0 < cfg.eval_fraction < 1):
+        return (f"--eval-fraction {cfg.eval_fraction} must be between 0 and 1 (both excluded): the fraction of the "
+                "data held out for evaluation, e.g. 0.05")
+    return None
+
+
+def saved_step(ckpt: Path) -> int | None:
+    """The step after which the checkpoint in ``ckpt`` was saved, from its index; None when there is none
+    (or it cannot be read: :func:`yashard.load_checkpoint` then says what is wrong with it)."""
+    if not (ckpt / "LATEST").exists():
+        return None
+    try:
+        from yashard.checkpoint import read_index, resolve_checkpoint
+
+        return int(read_index(resolve_checkpoint(ckpt))["extra"]["step"])
+    except Exception:  # noqa: BLE001 - checked again, with load_checkpoint's errors, when the run loads it
+        return None
+
+
+def resume_problem(cfg: TrainConfig, step: int | None, ckpt: Path) -> str | None:
+    """Why ``cfg`` cannot resume from the checkpoint saved after ``step``, with the fix; None if it can."""
+    if step is None:
+        return None
+    if cfg.steps < step:
+        before = _saved_steps(Path(cfg.out_dir))
+        return (f"--steps {cfg.steps} is below step {step}, where the checkpoint in {ckpt} was saved, so --resume true "
+                f"has nothing to train: pass --steps {before if before and before >= step else f'>= {step}'} to "
+                f"continue the run (the --steps it was started with keeps its learning-rate schedule), or leave out "
+                "--resume true (or pass another --out-dir) to start a new run")
+    if cfg.stop_at is not None and cfg.stop_at <= step:
+        more = (f"pass a --stop-at between {step + 1} and --steps {cfg.steps}, or leave --stop-at out to train to "
+                f"--steps {cfg.steps}" if step < cfg.steps else "leave --stop-at out: the run is complete")
+        return (f"--stop-at {cfg.stop_at} is at or before step {step}, where the checkpoint in {ckpt} was saved: a "
+                f"resumed run starts after step {step}; {more}")
+    return None
+
+
+def _saved_steps(out_dir: Path) -> int | None:
+    """--steps of the run that last wrote ``out_dir/config.json``, if it says."""
+    try:
+        steps = json.loads((out_dir / "config.json").read_text(encoding="utf-8")).get("steps")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return steps if isinstance(steps, int) else None
 
 
 # --------------------------------------------------------------------------------------------
@@ -194,6 +268,70 @@ def load_hf_config(path: str):
     return AutoConfig.from_pretrained(path)
 
 
+def check_folders(cfg: TrainConfig, which: tuple[str, ...] = ("model", "tokenizer")) -> None:
+    """Raise FileNotFoundError / ValueError, naming the option and the fix, if ``--model`` or
+    ``--tokenizer`` is not a local folder, or ``--model`` is a folder that is not an HF model folder (a
+    run's --out-dir or its sharded checkpoint: the message says to use --resume). Reads no weights."""
+    for what in which:
+        flag, path = f"--{what}", getattr(cfg, what, None)
+        if path is None:
+            continue
+        problem = _folder_problem(flag, path, what)
+        if problem and not Path(path).exists():
+            raise FileNotFoundError(problem)
+        if problem:
+            raise ValueError(problem)
+
+
+def _folder_problem(flag: str, path: str, what: str) -> str | None:
+    """Why ``path`` is not a local HF ``what`` ("model" or "tokenizer") folder, with the fix; None if it
+    may be one (the loaders say what else is wrong)."""
+    p = Path(path)
+    expected = ("a local HF checkpoint folder (config.json and *.safetensors weights, e.g. a recipe run's "
+                "final/ folder)" if what == "model" else
+                "a local HF tokenizer folder (tokenizer.json or tokenizer_config.json, e.g. the model's folder)")
+    if not p.exists():
+        return (f"{flag} {path}: no such folder. {flag} takes {expected}; nothing is downloaded from the HF Hub "
+                f"by name: download the {what} into a folder first and pass that folder")
+    if not p.is_dir():
+        return f"{flag} {path} is a file: pass {expected}"
+    if what == "tokenizer":
+        return None
+    hint = ""
+    run_dir = _recipe_run_dir(p)
+    if run_dir is not None:  # a run's --out-dir, its checkpoint/ or one save-* folder in it
+        final = run_dir / "final"
+        hint = (f" It {'holds' if run_dir == p else 'is'} the yashard training checkpoint of the run with --out-dir "
+                f"{run_dir}: to continue that run, pass --out-dir {run_dir} --resume true (with the rest of its command "
+                f"line); to start a new run from its weights, pass --model {final}"
+                + ("" if (final / "config.json").is_file() else " (the HF folder that run writes when it ends)"))
+    config = p / "config.json"
+    if not config.is_file():
+        return f"{flag} {path} has no config.json, so it is not an HF model folder: pass {expected}.{hint}"
+    try:
+        keys = json.loads(config.read_text(encoding="utf-8"))
+        keys = set(keys) if isinstance(keys, dict) else set()
+    except (OSError, ValueError):
+        return None  # AutoConfig says what is wrong with it
+    if "model_type" not in keys and (run_dir is not None or {"out_dir", "world_size", "steps"} <= keys):
+        final = p / "final"
+        if not hint and (final / "config.json").is_file():
+            hint = f" It is a recipe's --out-dir: its HF export is {final}."
+        return (f"{flag} {path} is not an HF model folder: its config.json is a recipe's run configuration, not an "
+                f"HF model config (it has no model_type). Pass {expected}.{hint}")
+    return None
+
+
+def _recipe_run_dir(p: Path) -> Path | None:
+    """The --out-dir of the recipe run whose checkpoint ``p`` is (or is in), or None."""
+    for run_dir, ckpt in ((p, p / "checkpoint"), (p.parent, p), (p.parent.parent, p.parent)):
+        if (ckpt / "LATEST").is_file() or (ckpt == p.parent and (p / "index.json").is_file()):
+            return run_dir
+    if (p / "log.jsonl").is_file() and (p / "config.json").is_file() and (p / "checkpoint").is_dir():
+        return p
+    return None
+
+
 def _check_vocab(hf_config, tok, source: str) -> None:
     text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     if tok.vocab_size > text_config.vocab_size:
@@ -216,6 +354,7 @@ def build_model(cfg: TrainConfig, tok):
 
     torch.manual_seed(cfg.seed)
     if getattr(cfg, "model", None) is not None:
+        check_folders(cfg, ("model",))
         hf_config = AutoConfig.from_pretrained(cfg.model)
         _check_vocab(hf_config, tok, f"--model {cfg.model}")
         with torch.device("meta"):
@@ -293,6 +432,7 @@ def setup(cfg: TrainConfig) -> Session:
 
         hf_logging.set_verbosity_error()  # one copy of HF warnings, from rank 0
 
+    check_folders(cfg)  # before the tokenizer, the data and the model are made
     tok_path = cfg.tokenizer
     model_path = getattr(cfg, "model", None)
     if tok_path is None and model_path is not None and _has_tokenizer_files(model_path):
@@ -334,12 +474,23 @@ def setup(cfg: TrainConfig) -> Session:
     start_step = 0
     ckpt = out_dir / "checkpoint"
     if cfg.resume and (ckpt / "LATEST").exists():
-        extra = yashard.load_checkpoint(ckpt, model, opt)
+        wanted = [group["weight_decay"] for group in opt.param_groups]  # --weight-decay (no-decay group: 0)
+        extra = yashard.load_checkpoint(ckpt, model, opt)  # also restores the saved param-group hyperparameters
         start_step = extra["step"]
+        problem = resume_problem(cfg, start_step, ckpt)  # (validate checked the index already)
+        if problem:
+            raise ValueError(problem)
+        # The command line's weight decay applies from here on (lr is set every step by the schedule).
+        saved_wd = [group["weight_decay"] for group in opt.param_groups]
+        for group, wd in zip(opt.param_groups, wanted):
+            group["weight_decay"] = wd
         if scaler.is_enabled() and "grad_scaler" in extra:
             scaler.load_state_dict(extra["grad_scaler"])
         if is_main:
             print(f"resumed from {ckpt} after step {start_step}")
+            if saved_wd != wanted:
+                print(f"note: --weight-decay {cfg.weight_decay} applies from step {start_step + 1} on; the checkpoint "
+                      f"was trained with {saved_wd[0]} (norms and biases: no decay)")
             _truncate_log(out_dir / "log.jsonl", start_step)
             saved = extra.get("global_batch")
             if saved is not None and saved != global_batch:
@@ -455,7 +606,8 @@ def train_loop(s: Session, profiler=None) -> list[dict]:
         if profiler is not None:
             profiler.step()
         stop = step + 1 == (cfg.stop_at or cfg.steps)
-        if cfg.save_every > 0 and ((step + 1) % cfg.save_every == 0 or stop):
+        # --stop-at always saves (a stopped run is continued with --resume), even with --save-every 0
+        if (stop and cfg.stop_at is not None) or (cfg.save_every > 0 and ((step + 1) % cfg.save_every == 0 or stop)):
             with record_function("yashard::save_checkpoint"):
                 extra = {"step": step + 1, "global_batch": s.global_batch}
                 if s.scaler.is_enabled():
@@ -545,7 +697,7 @@ def write_outputs(s: Session, history: list[dict], *, save_final: bool = True, p
         if hasattr(s.tok, "tok"):  # an HF tokenizer: keep the folder self-contained
             s.tok.tok.save_pretrained(s.out_dir / "final")
         written.append(s.out_dir / "final")
-    if s.cfg.save_every > 0:
+    if s.cfg.save_every > 0 or s.cfg.stop_at is not None:
         written.append(s.out_dir / "checkpoint")
     if plot and save_plot(read_log(s.out_dir / "log.jsonl"), s.out_dir / "loss.png"):
         written.append(s.out_dir / "loss.png")
@@ -574,12 +726,15 @@ def run(cfg: TrainConfig) -> dict:
     A run stopped early (``--stop-at``) writes its checkpoint and log but no final/ folder."""
     session = setup(cfg)
     history = train_loop(session)
-    if session.start_step + len(history) == cfg.steps:
+    done = session.start_step + len(history)
+    if done == cfg.steps:
+        if session.is_main and not history:
+            print(f"nothing to train: the checkpoint is at step {done} = --steps; exporting {session.out_dir / 'final'}")
         summary = write_outputs(session, history)
     else:
         summary = {}
         if session.is_main:
-            print(f"stopped after step {cfg.stop_at} of {cfg.steps}: checkpoint in "
+            print(f"stopped after step {done} of {cfg.steps}: checkpoint in "
                   f"{session.out_dir / 'checkpoint'}; continue with the same command and --resume true")
     shutdown()
     return summary

@@ -160,18 +160,20 @@ def test_pretrain_checkpoint_reproduces_the_final_eval_loss(pretrain_run):
 
 
 def test_stop_and_resume_reproduce_the_uninterrupted_run_bitwise(pretrain_run, tmp_path):
-    """--stop-at 10 saves a sharded checkpoint and ends; --resume continues at step 11 and logs
+    """--stop-at 10 saves a sharded checkpoint (even with --save-every 0) and ends; --resume continues at step 11 and logs
     exactly the losses, grad norms and eval losses of the uninterrupted 16-step run."""
     full_out, _ = pretrain_run
     (tmp_path / "config.json").write_text(json.dumps(TINY_CONFIG))
     out = tmp_path / "out"
     args = ["--config", str(tmp_path / "config.json"), "--steps", str(PRETRAIN_STEPS), "--eval-every", "8",
             "--out-dir", str(out), *PRETRAIN_ARGS]
-    run_recipe("pretrain.py", *args, "--stop-at", "10")
+    stdout = run_recipe("pretrain.py", *args, "--stop-at", "10", "--save-every", "0")  # --stop-at always saves
+    assert "stopped after step 10 of 16: checkpoint in" in stdout
     assert (out / "checkpoint" / "LATEST").exists() and not (out / "final").exists()
     assert [r["step"] for r in read_log(out / "log.jsonl")] == list(range(1, 11))
     stdout = run_recipe("pretrain.py", *args, "--resume", "true")
     assert "resumed from" in stdout and "after step 10" in stdout and "WARNING" not in stdout
+    assert "--weight-decay" not in stdout  # unchanged: no note
     keys = ("step", "loss", "lr", "grad_norm", "eval_loss")
     resumed = [{k: r.get(k) for k in keys} for r in read_log(out / "log.jsonl")]
     uninterrupted = [{k: r.get(k) for k in keys} for r in read_log(full_out / "log.jsonl")]
@@ -411,11 +413,91 @@ def test_recipe_configs_from_command_line():
     (profiling, ["--active", "0"], "wait and warmup must be >= 0 and active >= 1"),
     (finetune, ["--steps", "0"], "steps, micro_batch and accum_steps must be >= 1"),
     (pretrain, ["--model-size", "huge"], "invalid choice: 'huge'"),
+    (pretrain, ["--min-lr-ratio", "-1"], "--min-lr-ratio -1.0 must be between 0 and 1: the cosine schedule decays"),
+    (finetune, ["--min-lr-ratio", "1.5"], "--min-lr-ratio 1.5 must be between 0 and 1"),
+    (pretrain, ["--weight-decay", "-0.1"], "--weight-decay -0.1 must be a number >= 0 (0: no weight decay)"),
+    (pretrain, ["--lr", "nan"], "--lr nan must be a number > 0"),
+    (finetune, ["--eval-batches", "0"], "--eval-batches 0 must be >= 1: every run ends with an evaluation"),
+    (pretrain, ["--max-bytes", "0"], "--max-bytes 0 must be >= 1"),
+    (finetune, ["--eval-fraction", "0"], "--eval-fraction 0.0 must be between 0 and 1 (both excluded)"),
+    (pretrain, ["--eval-fraction", "1"], "--eval-fraction 1.0 must be between 0 and 1 (both excluded)"),
 ])
 def test_bad_command_lines_exit_with_the_reason(module, argv, message, capsys):
     with pytest.raises(SystemExit):
         module.parse_config(argv)
     assert message in capsys.readouterr().err
+
+
+def _usage_error(module, argv, capsys) -> str:
+    with pytest.raises(SystemExit):
+        module.parse_config(argv)
+    return capsys.readouterr().err
+
+
+def test_resume_options_past_the_checkpoint_are_refused_before_the_run(pretrain_run, capsys):
+    """--resume with --stop-at or --steps at or before the checkpoint's step (16 here) exits with a usage error."""
+    out = str(pretrain_run[0])
+    ckpt = re.escape(str(pretrain_run[0] / "checkpoint"))
+    resume = ["--out-dir", out, "--resume", "true"]
+    err = _usage_error(pretrain, [*resume, "--steps", "20", "--stop-at", "16"], capsys)
+    assert re.search(rf"--stop-at 16 is at or before step 16, where the checkpoint in {ckpt} was saved: a resumed run "
+                     r"starts after step 16; pass a --stop-at between 17 and --steps 20, or leave --stop-at out", err), err
+    err = _usage_error(pretrain, [*resume, "--steps", "16", "--stop-at", "10"], capsys)
+    assert "--stop-at 10 is at or before step 16" in err and "leave --stop-at out: the run is complete" in err, err
+    err = _usage_error(pretrain, [*resume, "--steps", "4"], capsys)
+    assert re.search(rf"--steps 4 is below step 16, where the checkpoint in {ckpt} was saved, so --resume true has "
+                     r"nothing to train: pass --steps 16 to continue the run", err), err
+    assert pretrain.parse_config([*resume, "--steps", "20", "--stop-at", "17"]).stop_at == 17
+    assert pretrain.parse_config(["--out-dir", out, "--steps", "4", "--stop-at", "2"]).steps == 4  # no --resume
+
+
+def test_model_and_tokenizer_folders_are_checked_before_anything_is_built(pretrain_run, tmp_path):
+    """A missing --model / --tokenizer folder, or --model naming a run's --out-dir or its sharded
+    checkpoint, is refused saying which folder to pass (and --resume), before any tokenizer, data or model."""
+    out, tok = pretrain_run[0], data.ByteTokenizer()
+    with pytest.raises(FileNotFoundError, match=r"^--model /nonexistent: no such folder\. --model takes a local HF "
+                                                r"checkpoint folder \(config\.json and \*\.safetensors weights"):
+        train.build_model(finetune.FinetuneConfig(model="/nonexistent"), tok)
+    with pytest.raises(FileNotFoundError, match=r"^--tokenizer /nonexistent: no such folder\. --tokenizer takes a local "
+                                                r"HF tokenizer folder"):
+        train.check_folders(finetune.FinetuneConfig(tokenizer="/nonexistent"))
+    to_resume = re.escape(f"to continue that run, pass --out-dir {out} --resume true")
+    with pytest.raises(ValueError, match=rf"^--model {re.escape(str(out))} is not an HF model folder: its config\.json is "
+                                         rf"a recipe's run configuration.*{to_resume}.*pass --model "
+                                         rf"{re.escape(str(out / 'final'))}$"):
+        train.build_model(finetune.FinetuneConfig(model=str(out)), tok)
+    for folder in (out / "checkpoint", next((out / "checkpoint").glob("save-*"))):
+        with pytest.raises(ValueError, match=rf"^--model {re.escape(str(folder))} has no config\.json, so it is not an "
+                                             rf"HF model folder: .*It is the yashard training checkpoint .*{to_resume}"):
+            train.check_folders(finetune.FinetuneConfig(model=str(folder)))
+    with pytest.raises(ValueError, match=r"has no config\.json, so it is not an HF model folder: pass a local HF .* final/ folder\)\.$"):
+        train.check_folders(finetune.FinetuneConfig(model=str(tmp_path)))
+    with pytest.raises(ValueError, match=r"log\.jsonl is a file: pass a local HF checkpoint folder"):
+        train.check_folders(finetune.FinetuneConfig(model=str(out / "log.jsonl")))
+    train.check_folders(finetune.FinetuneConfig(model=str(out / "final"), tokenizer=str(tmp_path)))
+
+
+def test_jsonl_data_errors_name_the_file_and_line(tmp_path):
+    tok = data.ByteTokenizer()
+    jsonl = tmp_path / "sft.jsonl"
+    good = json.dumps({"prompt": "a", "response": "b"})
+    jsonl.write_text(f"{good}\n\nnot json\n")
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(jsonl))}:3: not valid JSON \(Expecting value at column 1\); "
+                                         r"every line must be one \{\"prompt\": \.\.\., \"response\": \.\.\.\} object$"):
+        data.build_datasets(str(jsonl), tok, seq_len=16)
+    jsonl.write_text(f"{good}\n[1, 2]\n")
+    with pytest.raises(ValueError, match=r"sft\.jsonl:2: expected a \{\"prompt\": \.\.\., \"response\": \.\.\.\} "
+                                         r"object, got a JSON list"):
+        data.build_datasets(str(jsonl), tok, seq_len=16)
+    jsonl.write_text(f"{good}\n")
+    with pytest.raises(ValueError, match=r"sft\.jsonl has only 1 example: at least 2 are needed, one held out for "
+                                         r"evaluation \(--eval-fraction\) and at least one to train on"):
+        data.build_datasets(str(jsonl), tok, seq_len=16)
+    jsonl.write_text(f"{good}\n{good}\n")
+    assert [len(part) for part in data.build_datasets(str(jsonl), tok, seq_len=16)[:2]] == [1, 1]
+    with pytest.raises(ValueError, match=r"--eval-fraction 0\.9 of the 2 examples in .*sft\.jsonl holds out 2, leaving "
+                                         r"none to train on: lower --eval-fraction"):
+        data.build_datasets(str(jsonl), tok, seq_len=16, eval_fraction=0.9)
 
 
 def test_model_source_errors(tmp_path):
@@ -508,15 +590,26 @@ def test_phase_memory_recipe_reports_every_phase_and_constant_memory_after_step_
         assert abs(e2 - e1) <= 3, rows
 
 
+def _saved_weight_decay(out: Path) -> list[float]:
+    latest = (out / "checkpoint" / "LATEST").read_text().strip()
+    index = json.loads((out / "checkpoint" / latest / "index.json").read_text())
+    return [g["hparams"]["weight_decay"] for g in index["optimizer"]["param_groups"]]
+
+
 def test_resume_with_another_global_batch_and_a_fresh_run_over_a_checkpoint_warn(tmp_path):
+    """... and a resumed run applies its own --weight-decay (load_checkpoint restores the saved one)."""
     (tmp_path / "config.json").write_text(json.dumps(TINY_CONFIG))
     out = tmp_path / "out"
     args = ["--config", str(tmp_path / "config.json"), "--steps", "4", "--eval-every", "0", "--out-dir", str(out),
             "--seq-len", "64", "--max-bytes", "300000", "--save-every", "1"]
     run_recipe("pretrain.py", *args, "--micro-batch", "2", "--stop-at", "1")
-    stdout = run_recipe("pretrain.py", *args, "--micro-batch", "1", "--stop-at", "2", "--resume", "true")
+    assert _saved_weight_decay(out) == [0.1, 0.0]
+    stdout = run_recipe("pretrain.py", *args, "--micro-batch", "1", "--stop-at", "2", "--resume", "true",
+                        "--weight-decay", "0.5")
     assert re.search(r"WARNING: the checkpoint was trained with a global batch of 4 sequences, this run uses 2 "
                      r"\(--micro-batch 1 per rank x --accum-steps 1 x world size 2\)", stdout), stdout
+    assert "note: --weight-decay 0.5 applies from step 2 on; the checkpoint was trained with 0.1" in stdout, stdout
+    assert _saved_weight_decay(out) == [0.5, 0.0]   # what step 2 trained with (the no-decay group stays 0)
     stdout = run_recipe("pretrain.py", *args, "--micro-batch", "2", "--stop-at", "1")
     assert re.search(r"WARNING: .*checkpoint holds a checkpoint and this run starts at step 0 without --resume true",
                      stdout), stdout

@@ -565,10 +565,15 @@ class Runtime:
         if self.norm_group is not None:
             self.norm_group.ensure_ready()
         self._prefetch(unit.next_forward)
+        return self._enter(unit, self.grad_fwd_id, args, kwargs)
+
+    def _enter(self, unit: Unit, fwd_id: int, args, kwargs):
+        """Install ``unit``'s views (its weights are gathered); with grad, as part of forward
+        ``fwd_id``, behind a :class:`GateGradFlow` on its differentiable inputs."""
         if not torch.is_grad_enabled():
             unit.install_views(None)
             return None
-        unit.fwd_id = self.grad_fwd_id
+        unit.fwd_id = fwd_id
         unit.grad_claimed = False
         unit.written = [False] * len(unit.layout.entries)
         flat, spec = tree_flatten((args, kwargs))
@@ -596,20 +601,9 @@ class Runtime:
             unit.gathered = None
         self._ensure_gathered(unit)
         self._prefetch(unit.next_forward)
-        if not grad:
-            unit.install_views(None)
-            return None
-        unit.fwd_id = self.grad_fwd_id + 1  # the coming forward's
-        unit.fwd_version = unit.master._version
-        unit.grad_claimed = False
-        unit.written = [False] * len(unit.layout.entries)
-        flat, spec = tree_flatten((args, kwargs))
-        idx = [i for i, x in enumerate(flat) if _is_diff_tensor(x)]
-        token, *gated = GateGradFlow.apply(unit, unit.token, *[flat[i] for i in idx])
-        for i, g in zip(idx, gated):
-            flat[i] = g
-        unit.install_views(token)
-        return tree_unflatten(flat, spec)
+        if grad:
+            unit.fwd_version = unit.master._version
+        return self._enter(unit, self.grad_fwd_id + 1, args, kwargs)  # the coming forward's id
 
     def _order_message(self, got: int, expected: int) -> str:
         layers = self.spec.layers

@@ -425,21 +425,14 @@ class Runtime:
         after the step (:meth:`after_optimizer_step`) and, with gradient accumulation, the layers
         the previous backward left in the slots."""
         grad = torch.is_grad_enabled()
-        self._check_slot_writes()  # (the checks change no state: a refused forward leaves none behind)
-        if grad:
-            self._check_masters()
-        if self.in_backward:
-            self._recover_from_failed_backward()
+        self._begin_forward(grad)
         self._root_active = True
-        self._drain()
-        self.streams.capture_compute()
         if grad:
             self.grad_fwd_id += 1
             self._fwd_sync = self.require_grad_sync
         self.backward_pending = grad  # (until its backward ends; a no-grad forward has none)
         self._fwd_cursor = 0
         self._bwd_last_layer = None
-        self._refresh_sources()
         for u in self.units:
             if u.slot.owner is not u or u.gathered_version != u.master._version:
                 u.gathered = None  # masters changed (optimizer step, load) or the slot was reused
@@ -452,6 +445,20 @@ class Runtime:
         if self.forward_order:
             self._prefetch(self.forward_order[0])
         return None
+
+    def _begin_forward(self, grad: bool) -> None:
+        """What starts every forward (the model's, or the input embedding's called ahead of it):
+        the checks first (they change no state: a refused forward leaves none behind), the reset
+        after a backward that raised, then the wait for what is in flight and the refresh of the
+        gather sources."""
+        self._check_slot_writes()
+        if grad:
+            self._check_masters()
+        if self.in_backward:
+            self._recover_from_failed_backward()
+        self._drain()
+        self.streams.capture_compute()
+        self._refresh_sources()
 
     def _check_slot_writes(self) -> None:
         """Refuse in-place writes through the modules' views of gathered weights (the norm group's
@@ -467,8 +474,8 @@ class Runtime:
                     owner.gathered = None
                 raise RuntimeError(
                     f"the gathered weights of {self.module_name(owner) if owner is not None else 'a unit'} were "
-                    "written in place through the "
-                    "model's modules (e.g. model.model.norm.weight.fill_(1.0)): they are a copy gathered from the "
+                    "written in place through the model's modules (e.g. model.model.norm.weight.fill_(1.0)): they "
+                    "are a copy gathered from the "
                     "master shards, so the write would be used until the next gather, then lost, and "
                     "full_state_dict() would not show it. Write the weights through yashard (dcp.load into "
                     "model.sharded_state_dict(), yashard.load_checkpoint) or in place into model.parameters() "
@@ -540,9 +547,9 @@ class Runtime:
                     self.gather(u)
 
     def _pre_forward(self, unit: Unit, module, args, kwargs):
-        if not self._root_active and not self.in_backward:
-            if unit is self.embed:
-                return self._embedding_ahead_of_forward(unit, args, kwargs)
+        if not self._root_active and unit is self.embed:  # (never re-run in a backward: not checkpointed)
+            return self._embedding_ahead_of_forward(unit, args, kwargs)
+        if not self._root_active and not self.in_backward:  # (a checkpointed layer's recompute is in one)
             raise OrderError(
                 f"{unit.name} ran outside a forward of the whole model: yashard gathers each unit's weights "
                 f"as the model's own forward reaches it. Call the model itself ({type(self.model).__name__}, or "
@@ -588,15 +595,10 @@ class Runtime:
         """The input embedding called on its own, ahead of the model forward that takes its output
         as ``inputs_embeds`` (LLaVA-style multimodal inputs, prompt tuning): it runs as the first
         unit of that coming forward, whose id it takes (``grad_fwd_id + 1``), so its backward and
-        its reduction belong to that forward's backward. The checks and source refresh of a forward's
-        start run first, as in :meth:`_root_pre_forward`."""
-        self._check_slot_writes()
+        its reduction belong to that forward's backward. It starts as the model's forward does
+        (:meth:`_begin_forward`)."""
         grad = torch.is_grad_enabled()
-        if grad:
-            self._check_masters()
-        self._drain()
-        self.streams.capture_compute()
-        self._refresh_sources()
+        self._begin_forward(grad)
         if unit.slot.owner is not unit or unit.gathered_version != unit.master._version:
             unit.gathered = None
         self._ensure_gathered(unit)

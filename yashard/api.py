@@ -118,9 +118,10 @@ def _answer_device_and_dtype(module: nn.Module, runtime: Runtime) -> None:
     ``dtype`` is the compute dtype (``param_dtype``), and whose counts include the sharded
     parameters: ``num_parameters`` the model's (unpadded, tied ones once, as the unsharded model
     counts them), ``get_memory_footprint`` this rank's bytes of them (its fp32 master shards).
-    The subclass also turns ``generate``'s ``synced_gpus`` on when the shard group has several ranks
-    (as HF does for FSDP and ZeRO-3: a rank that finished keeps joining the gathers), refuses
-    pickling and deep copies, and refuses HF's activation checkpointing (``checkpoint_layers``)."""
+    The subclass also turns ``generate``'s ``synced_gpus`` on when the shard group is the whole world
+    of several ranks (as HF does for FSDP and ZeRO-3: a rank that finished keeps joining the gathers),
+    sends ``requires_grad_`` to the shards, refuses pickling, deep copies, torch's distributed
+    state-dict helpers and HF's activation checkpointing (``checkpoint_layers``)."""
     cls = type(module)
     if not isinstance(getattr(cls, "device", None), property):
         return  # not an HF model: nothing reads these

@@ -483,11 +483,11 @@ def _cleanup(root: Path, keep: str) -> None:
 
 def _check_same_extra(got: list) -> None:
     """``extra`` is stored once: refuse a save whose ranks passed different values."""
-    digests = [d for _, d, _ in got]
-    r = next((i for i, d in enumerate(digests) if d != digests[0]), None)
+    texts = [json.dumps(x, sort_keys=True) for _, x in got]
+    r = next((i for i, t in enumerate(texts) if t != texts[0]), None)
     if r is None:
         return
-    a, b = got[0][2], got[r][2]
+    a, b = got[0][1], got[r][1]
     keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k)) if isinstance(a, dict) and isinstance(b, dict) else None
     raise CheckpointError(
         f"save_checkpoint: extra differs between rank 0 and rank {r}"
@@ -532,16 +532,15 @@ def save_checkpoint(path: str | os.PathLike, model, optimizer: torch.optim.Optim
     rt = _runtime(model, "save_checkpoint")
     comm = rt.comm
     root = Path(path)
-    err, name, opt_meta, digest = None, None, None, None
+    err, name, opt_meta = None, None, None
     try:
         extra = check_extra(extra)
-        digest = hashlib.sha256(json.dumps(extra, sort_keys=True).encode()).hexdigest()
         opt_meta = _optimizer_meta(optimizer, rt)
         if comm.rank == 0:
             name = _prepare_root(root)
     except Exception as e:  # noqa: BLE001 - shared with every rank by _agree
         err = e
-    got = _agree(comm, "save_checkpoint", err, (name, digest, extra))
+    got = _agree(comm, "save_checkpoint", err, (name, extra))
     name = got[0][0]
     save_dir = root / name
     _check_same_extra(got)

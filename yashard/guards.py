@@ -42,6 +42,9 @@ class _ByIdentity:
         entry = self._data.get(id(key))
         return entry[1] if entry is not None and entry[0]() is key else None
 
+    def values(self) -> list:
+        return [value for ref, value in list(self._data.values()) if ref() is not None]
+
 
 _removed = _ByIdentity()   # parameters yashard.shard took out of a model -> their name
 _owners = _ByIdentity()    # master shards -> a weak reference to their Runtime (which owns them)
@@ -110,7 +113,7 @@ def _wrap_torch_clip() -> None:
     @functools.wraps(torch_total)
     def get_total_norm(tensors, *args, **kwargs):
         ts = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-        runtimes = {id(rt): rt for _, ref in list(_owners._data.values()) if (rt := ref()) is not None}
+        runtimes = {id(rt): rt for ref in _owners.values() if (rt := ref()) is not None}
         masters_grads = {id(u.master.grad) for rt in runtimes.values() for u in rt.units if u.master.grad is not None}
         if any(id(t) in masters_grads for t in ts):
             raise ValueError(
@@ -144,33 +147,21 @@ def _runtimes(optimizer, check: bool) -> list:
     return runtimes
 
 
-def _shape_aware_optimizers() -> tuple:
-    """torch optimizers whose update of an element depends on the parameter's shape or on all of its
-    elements together: on flat shards of several parameters each they compute something else."""
-    kinds = [getattr(torch.optim, name) for name in ("Adafactor", "LBFGS", "Muon") if hasattr(torch.optim, name)]
-    try:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        kinds.append(ZeroRedundancyOptimizer)
-    except ImportError:  # pragma: no cover - torch built without distributed
-        pass
-    return tuple(kinds)
-
-
-# the same kinds outside torch, by class name: transformers' Adafactor (HF Trainer's optim="adafactor"),
-# LAMB / LARS (per-parameter trust ratios), Shampoo and SOAP (matrix preconditioners)
+# optimizers whose update of an element depends on the parameter's shape or on all of its elements
+# together, by class name (torch's and others: transformers' Adafactor, HF Trainer's optim="adafactor";
+# LAMB / LARS trust ratios; Shampoo and SOAP preconditioners); on flat shards of several parameters
+# they compute something else. ZeroRedundancyOptimizer would overwrite one rank's shard with another's.
 _SHAPE_AWARE_NAMES = {"Adafactor", "LBFGS", "Muon", "Lamb", "LAMB", "FusedLAMB", "Lars", "LARS", "Shampoo",
-                      "DistributedShampoo", "SOAP"}
+                      "DistributedShampoo", "SOAP", "ZeroRedundancyOptimizer"}
 
 
 def check_optimizer_kind(optimizer) -> None:
     """Refuse the optimizers a sharded model's flat master shards would make compute something else."""
-    kinds = _shape_aware_optimizers()
     named = next((c.__name__ for c in type(optimizer).__mro__ if c.__name__ in _SHAPE_AWARE_NAMES), None)
-    if not isinstance(optimizer, kinds) and named is None:
+    if named is None:
         return
     name = type(optimizer).__name__
-    if name == "ZeroRedundancyOptimizer":
+    if named == "ZeroRedundancyOptimizer":
         raise TypeError(
             "ZeroRedundancyOptimizer over yashard master shards: it gives each rank's state to one rank and "
             "broadcasts parameters, but every rank holds other shards of the same units, so one rank's shard would "

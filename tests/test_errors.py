@@ -838,9 +838,11 @@ def test_freezing_after_shard_and_hooks_on_shards_are_refused(pg):
     _loss(sm).backward()
 
 
-def test_writing_gathered_norm_weights_in_place_is_refused(pg):
+def test_writing_gathered_norm_weights_in_place_is_refused(pg, monkeypatch):
     """The norm group's views stay readable between forwards; writing through one changes a gathered
-    copy, which the next forward would use and the next optimizer step would silently drop."""
+    copy, which the next forward would use and the next optimizer step would silently drop. (Gathered
+    copies as on more ranks; at one rank the views read the shards in place: test_one_rank.py.)"""
+    monkeypatch.setattr(yashard.runtime, "direct_slots", lambda w, cfg: False)
     sm = yashard.shard(build())
     ids = _ids(0)
     with torch.no_grad():

@@ -15,6 +15,11 @@ With ``ShardConfig(reshard_after_forward=False)`` every unit owns a slot of its 
 after the unit): weights stay gathered until the masters change, and gradients may wait in the
 slot, unreduced, across micro-batches (``ShardedModel.no_sync``).
 
+Over a shard group of one rank (one process, or hybrid sharding with ``shard_group_size=1``) a shard
+is the whole unit, so there is nothing to gather: slots are then *direct*. They hold gradients only,
+and :meth:`Slot.show` points their weights at the owning unit's own shard (its ``param_dtype`` gather
+source), which the modules' views read in place: no copy, and no weight buffer.
+
 A slot remembers its current weight owner, the event that releases it, and the reduction that is
 still reading its gradient buffer; :mod:`yashard.runtime` enforces the ordering rules of
 :mod:`yashard.events` through these fields.
@@ -28,12 +33,16 @@ import torch
 class Slot:
     """One weight buffer + one gradient buffer, owned in turn."""
 
-    def __init__(self, name: str, numel: int, world: int, param_dtype, grad_dtype, device):
+    def __init__(self, name: str, numel: int, world: int, param_dtype, grad_dtype, device, *, direct: bool = False):
         if numel % world:
             raise ValueError(f"slot {name}: size {numel} is not a multiple of world size {world}")
+        if direct and world != 1:
+            raise ValueError(f"slot {name}: a direct slot shows a unit's own shard, which is the whole unit "
+                             f"only over one rank, not {world}")
         self.name = name
         self.numel = numel
-        self.weights = torch.empty(numel, dtype=param_dtype, device=device)
+        self.direct = direct
+        self.weights = torch.empty(0 if direct else numel, dtype=param_dtype, device=device)
         self.grads = torch.zeros(numel, dtype=grad_dtype, device=device)
         # Aliases with their own autograd version counters: collectives write through these, so
         # refilling a buffer never trips autograd's "modified by an inplace operation" check on the
@@ -49,8 +58,15 @@ class Slot:
         self.grad_busy = None        # Pending reduction still reading the gradient buffer
         self.zeroed_signature = None  # layout whose non-parameter ranges are known to be zero
 
+    def show(self, source: torch.Tensor) -> None:
+        """Direct slots: make ``source`` (a unit's whole-unit shard, through an alias with its own
+        version counter) the weights the views read, in place of a gathered copy."""
+        self.weights = source
+        self.weights_version = source._version
+
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {"weights": self.weights, "grads": self.grads}
+        """The buffers this slot allocated (a direct slot's weights belong to the units)."""
+        return {"grads": self.grads} if self.direct else {"weights": self.weights, "grads": self.grads}
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors().values())

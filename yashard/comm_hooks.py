@@ -13,7 +13,8 @@ data-parallel world size (post-divide), and adds it to the master gradient. A ho
 divides, and the same hook works with and without hybrid sharding or accumulation.
 
 ``bucket.output()`` is a preallocated tensor of exactly that size (``reduce_dtype``) the hook may
-fill and return, so the default path allocates nothing. Hooks that need other buffers (the
+fill and return, so the default path allocates nothing. (Over a one-rank shard group, where the
+default hook returns the buffer itself, it is allocated at the first call of ``output()``, once.) Hooks that need other buffers (the
 compression hooks' low-precision copies) ask ``bucket.workspace(name, numel, dtype)``: a buffer the
 runtime keeps across steps, grown to the largest request, so memory is still fixed after the first
 backward (these buffers are listed by ``memory_plan`` once allocated).
@@ -71,8 +72,9 @@ class GradBucket:
     comm: "Comm"
     slot: str
     _buffer: torch.Tensor = field(repr=False)
-    _output: torch.Tensor = field(repr=False)
+    _output: Callable[[int], torch.Tensor] = field(repr=False)
     _workspace: Callable[[str, int, torch.dtype], torch.Tensor] = field(repr=False)
+    _shard_numel: int = field(repr=False)
 
     def buffer(self) -> torch.Tensor:
         """The unit's flat, padded gradient (``shard_world * shard_numel`` elements, reduce dtype).
@@ -81,7 +83,7 @@ class GradBucket:
 
     def output(self) -> torch.Tensor:
         """Preallocated result tensor (``shard_numel`` elements, reduce dtype)."""
-        return self._output
+        return self._output(self._shard_numel)
 
     def workspace(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A persistent 1-D buffer of at least ``numel`` elements of ``dtype`` on the gradients'
@@ -91,7 +93,7 @@ class GradBucket:
 
     @property
     def shard_numel(self) -> int:
-        return self._output.numel()
+        return self._shard_numel
 
     def is_last(self) -> bool:
         return self.last

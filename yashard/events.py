@@ -87,6 +87,24 @@ class Completed:
         return None
 
 
+class InPlace:
+    """Stands for a gather that was not needed: a direct slot shows the unit's own shard (shard
+    world 1, :class:`yashard.buffers.Slot`), which compute wrote on its own stream. Waiting for it
+    orders nothing, so compute is never made to wait behind communication in flight (a hybrid
+    all-reduce) for weights that were never on the communication stream."""
+
+    done = True
+
+    def finish(self) -> None:
+        return None
+
+    def wait(self) -> None:
+        return None
+
+
+IN_PLACE = InPlace()
+
+
 class Pending:
     """One collective in flight, plus the follow-up work to run on the comm stream once it lands.
 

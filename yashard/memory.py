@@ -63,14 +63,19 @@ def plan_memory(rt: "Runtime") -> MemoryPlan:
     rows = []
     for slot in rt.slots.values():
         s = slot.numel
-        rows.append(MemoryRow(f"slot {slot.name}", s, s * (p + g), f"S={s}: S*({p}+{g}) weights+grads"))
+        if slot.direct:  # shard world 1: the views read the units' own shards
+            rows.append(MemoryRow(f"slot {slot.name}", s, s * g, f"S={s}: S*{g} grads (weights: the unit's own shard)"))
+        else:
+            rows.append(MemoryRow(f"slot {slot.name}", s, s * (p + g), f"S={s}: S*({p}+{g}) weights+grads"))
     if cfg.quantized_weights:
         b = max(qwz_workspace_nbytes(s.numel // w, w, bits=cfg.quantized_weights, block=cfg.quant_block)
                 for s in rt.slots.values() if s.name != "small")
         rows.append(MemoryRow("qwZ codes", b, b, f"W * (max S/W * {cfg.quantized_weights}/8 + 4 per "
                                                  f"{cfg.quant_block}-block, 16-aligned), shared by the slots"))
     m = max(slot.numel for slot in rt.slots.values()) // w
-    rows.append(MemoryRow("reduce-scatter out", m, m * g, f"max S/W={m} * {g}, shared by the slots"))
+    out = w > 1 or rt.reduce_out is not None  # (one rank: only once a comm hook asked for it)
+    if out:
+        rows.append(MemoryRow("reduce-scatter out", m, m * g, f"max S/W={m} * {g}, shared by the slots"))
     n = sum(u.layout.shard_numel for u in rt.units)
     rows.append(MemoryRow("fp32 master shards", n, 4 * n, f"N/W={n} * 4"))
     rows.append(MemoryRow("fp32 grad shards", n, 4 * n, f"N/W={n} * 4"))
@@ -86,7 +91,7 @@ def plan_memory(rt: "Runtime") -> MemoryPlan:
         rows.append(MemoryRow(f"comm hook {name}", t.numel(), t.numel() * t.element_size(),
                               "allocated by the comm hook at its first call"))
     formula = (
-        f"sum over slots S*({p}+{g}) + max S/W*{g} + N/W*(8{'+' + str(p) if cfg.param_dtype != torch.float32 else ''})"
+        f"sum over slots S*({g if rt.direct else f'{p}+{g}'}){f' + max S/W*{g}' if out else ''} + N/W*(8{'+' + str(p) if cfg.param_dtype != torch.float32 else ''})"
         + extra + (" + qwZ codes" if cfg.quantized_weights else "")
     )
     return MemoryPlan(tuple(rows), w, adamw_bytes=8 * n, formula=formula)

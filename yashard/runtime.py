@@ -28,7 +28,7 @@ from .buffers import Slot
 from .collectives import Comm
 from .comm_hooks import GradBucket, reduce_scatter_hook
 from .config import ShardConfig
-from .events import Completed, Pending, Streams
+from .events import IN_PLACE, Completed, Pending, Streams
 from .gate_grad_flow import BackwardEntry, GateGradFlow
 from .layout import build_layout, slot_assignment
 from .memory import MemoryPlan, plan_memory
@@ -222,13 +222,18 @@ class Runtime:
         for key, name in slot_of.items():
             slot_sizes[name] = max(slot_sizes.get(name, 0), layouts[key].padded)
         gdt = cfg.wire_dtype
+        self.direct = direct_slots(w, cfg)
         self.slots = {
-            name: Slot(name, numel, w, cfg.param_dtype, gdt, self.device)
+            name: Slot(name, numel, w, cfg.param_dtype, gdt, self.device, direct=self.direct)
             for name, numel in slot_sizes.items()
             if numel > 0
         }
-        # One reduce-scatter output for every slot: reductions run one after the other (R6).
-        self.reduce_out = torch.empty(max(s.numel for s in self.slots.values()) // w, dtype=gdt, device=self.device)
+        # One reduce-scatter output for every slot: reductions run one after the other (R6). Over one
+        # rank the default hook's sum is the gradient buffer itself: allocated only if a hook asks.
+        self._reduce_out_numel = max(s.numel for s in self.slots.values()) // w
+        self.reduce_out = None
+        if w > 1:
+            self._reduce_output(0)
         if self.comm.reduce_scatter_needs_scratch():  # the default hook's receive buffer (gloo, > 2 ranks)
             self._workspace("reduce_scatter", max(s.numel for s in self.slots.values()), gdt)
         # qwZ: codes + scales of every rank's shard, gathered in one collective. One workspace serves
@@ -261,6 +266,8 @@ class Runtime:
             )
             if cfg.param_dtype != torch.float32:
                 unit.gather_src = torch.empty(master.shape, dtype=cfg.param_dtype, device=self.device)
+            if self.direct:  # (an alias: the views' in-place writes move its own version counter)
+                unit.direct_source = unit.gather_src.data
             if cfg.secondary_group_size is not None and kind == "layer":  # hpZ: this rank's secondary slice
                 unit.secondary = torch.empty(layout.padded // cfg.secondary_group_size, dtype=cfg.param_dtype,
                                              device=self.device)
@@ -371,9 +378,16 @@ class Runtime:
 
         Forward gathers read the primary shards over the shard group (quantized with qwZ); with hpZ
         a grad-enabled forward also keeps this rank's secondary slice, and backward re-gathers read
-        the secondary slices over the (node-local) secondary group.
+        the secondary slices over the (node-local) secondary group. A direct slot (shard world 1)
+        shows the unit's own shard instead: no collective, no copy, nothing to wait for.
         """
         slot = unit.slot
+        if slot.direct:  # shard world 1: the unit's shard is all of it, shown in place (no collective)
+            slot.show(unit.direct_source)
+            unit.gathered_version = unit.master._version
+            unit.gathered = IN_PLACE
+            slot.owner = unit
+            return
         prev = slot.owner
         if prev is not None and prev is not unit and prev.gathered is not None and not prev.gathered.done:
             prev.gathered.wait()  # an unused prefetch still writing into the slot (CPU: gloo thread)
@@ -472,13 +486,19 @@ class Runtime:
                 slot.owner = None  # gathered again at the next forward
                 if owner is not None:
                     owner.gathered = None
+                where = ""
+                if slot.direct:  # the views read the unit's own shard: the write went into it
+                    if self.config.param_dtype == torch.float32:
+                        where = (" On one rank (shard world 1) these views are the fp32 master shards themselves, "
+                                 "so this write did change them; on more ranks it would not have.")
+                    self._cast_versions = None  # (a param_dtype copy is cast from the masters again)
                 raise RuntimeError(
                     f"the gathered weights of {self.module_name(owner) if owner is not None else 'a unit'} were "
                     "written in place through the model's modules (e.g. model.model.norm.weight.fill_(1.0)): they "
                     "are a copy gathered from the "
                     "master shards, so the write would be used until the next gather, then lost, and "
-                    "full_state_dict() would not show it. Write the weights through yashard (dcp.load into "
-                    "model.sharded_state_dict(), yashard.load_checkpoint) or in place into model.parameters() "
+                    "full_state_dict() would not show it." + where + " Write the weights through yashard (dcp.load "
+                    "into model.sharded_state_dict(), yashard.load_checkpoint) or in place into model.parameters() "
                     "under torch.no_grad()"
                 )
 
@@ -726,8 +746,7 @@ class Runtime:
         if self._last_reduction is not None:
             self._last_reduction.finish()  # R6: it may still be reading the shared output buffer
         bucket = GradBucket(self._bucket_index, unit.name, unit is self.small, self.comm, slot.name,
-                            slot.grads.narrow(0, 0, unit.layout.padded), self.reduce_out.narrow(0, 0, n),
-                            self._workspace)
+                            slot.grads.narrow(0, 0, unit.layout.padded), self._reduce_output, self._workspace, n)
         self._bucket_index += 1
         label = "yashard::norm_group_reduce_scatter" if unit.kind == "small" else "yashard::reduce_scatter"
         with self.streams.comm_context(), record_function(label):
@@ -848,6 +867,12 @@ class Runtime:
         for slot in self.slots.values():
             slot.grad_busy = None
 
+    def _reduce_output(self, n: int) -> torch.Tensor:
+        """The first ``n`` elements of the reduce-scatter output shared by every bucket (R6)."""
+        if self.reduce_out is None:
+            self.reduce_out = torch.empty(self._reduce_out_numel, dtype=self.config.wire_dtype, device=self.device)
+        return self.reduce_out.narrow(0, 0, n)
+
     def _workspace(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A comm hook's persistent scratch buffer (see ``GradBucket.workspace``)."""
         buf = self._workspaces.get(name)
@@ -934,7 +959,8 @@ class Runtime:
         for slot in self.slots.values():
             for k, t in slot.tensors().items():
                 out[f"slot.{slot.name}.{k}"] = t
-        out["reduce_out"] = self.reduce_out
+        if self.reduce_out is not None:
+            out["reduce_out"] = self.reduce_out
         if self.qwz_workspace is not None:
             out["qwz_workspace"] = self.qwz_workspace
         for u in self.units:
@@ -1034,6 +1060,12 @@ class Runtime:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+
+def direct_slots(shard_world: int, config: ShardConfig) -> bool:
+    """Over one rank a shard is its whole unit: the slots show the units' own shards (no gather
+    copies, no weight buffers), unless qwZ or hpZ are asked for (they change what is gathered)."""
+    return shard_world == 1 and not config.quantized_weights and config.secondary_group_size is None
 
 
 def _checkpointed_forward(inner, *args, **kwargs):

@@ -46,6 +46,7 @@ class Unit:
         self.master = master
         self.grad_storage = torch.zeros_like(master, memory_format=torch.contiguous_format)
         self.gather_src = master    # replaced by a param_dtype copy when param_dtype != fp32
+        self.direct_source: torch.Tensor | None = None  # direct slots (shard world 1): gather_src's alias
         self.secondary: torch.Tensor | None = None  # hpZ: this rank's secondary slice of the gathered unit
         self.secondary_version = -1  # master._version of the weights ``secondary`` holds
         self.order = -1             # position in runtime.units (index of its check flags)

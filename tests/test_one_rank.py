@@ -1,0 +1,108 @@
+"""Over a shard group of one rank the slots show the units' own shards in place (direct slots):
+no gather copies and no weight buffers, with results bitwise those of the copying path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import yashard
+from yashard import runtime as rt_mod
+from models import batches, build
+
+
+def _train(dtype: torch.dtype, steps: int = 3, accum: int = 2):
+    """A few AdamW steps with gradient accumulation and clipping; what each step saw and left."""
+    sm = yashard.shard(build(), config=yashard.ShardConfig(param_dtype=dtype))
+    opt = torch.optim.AdamW(sm.param_groups(weight_decay=0.1), lr=1e-2)
+    views = []  # storage of layer 1's q_proj weight as its forward saw it
+    handle = sm.module.model.layers[1].self_attn.q_proj.register_forward_pre_hook(
+        lambda m, args: views.append(m.weight.untyped_storage().data_ptr()))
+    losses = []
+    for ids in batches(steps, 4, 16, sm.module.config.vocab_size):
+        for micro in ids.chunk(accum):
+            loss = sm(input_ids=micro, labels=micro).loss
+            (loss / accum).backward()
+            losses.append(loss.detach())
+        sm.clip_grad_norm_(0.5)
+        opt.step()
+        opt.zero_grad()
+    handle.remove()
+    return sm, torch.stack(losses), sm.full_state_dict(), views
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_rank_reads_the_shards_in_place_and_matches_the_copying_path(pg, monkeypatch, dtype):
+    sm, losses, params, views = _train(dtype)
+    rt = sm.runtime
+    assert rt.direct and all(s.direct for s in rt.slots.values())
+    layer1 = rt.layers[1]
+    # the forward computed with a view of layer 1's own shard (fp32: the master; bf16: its cast copy)
+    assert set(views) == {layer1.gather_src.untyped_storage().data_ptr()}
+    if dtype == torch.float32:
+        assert layer1.gather_src is layer1.master
+    allocated = rt.allocated_tensors()
+    assert not [k for k in allocated if k.endswith(".weights")]  # no weight buffers at all
+    assert "reduce_out" not in allocated  # the default hook's sum over one rank is the buffer itself
+    assert sm.memory_plan().total_bytes == sum(t.numel() * t.element_size() for t in allocated.values())
+    rows = {r.name: r for r in sm.memory_plan().rows}
+    for slot in rt.slots.values():  # a slot row counts gradients only
+        assert rows[f"slot {slot.name}"].bytes == slot.grads.numel() * slot.grads.element_size()
+        assert "grads (weights: the unit's own shard)" in rows[f"slot {slot.name}"].formula
+    # the same training through gathered copies (the path of every larger shard group)
+    monkeypatch.setattr(rt_mod, "direct_slots", lambda w, cfg: False)
+    ref, ref_losses, ref_params, ref_views = _train(dtype)
+    assert not ref.runtime.direct and len(set(ref_views)) == 1
+    assert set(ref_views) != {ref.runtime.layers[1].gather_src.untyped_storage().data_ptr()}
+    assert torch.equal(losses, ref_losses)
+    assert params.keys() == ref_params.keys()
+    for k in params:
+        assert torch.equal(params[k], ref_params[k]), k
+    plan, ref_plan = sm.memory_plan().total_bytes, ref.runtime.memory_plan().total_bytes
+    slots = ref.runtime.slots.values()
+    assert ref_plan - plan == sum(s.numel * s.weights.element_size() for s in slots)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_rank_in_place_write_through_a_module_is_refused(pg, dtype):
+    """The norm group's views stay on the modules between forwards; a write through them is refused
+    as on more ranks. In fp32 it went into the master (said so); a bf16 copy is cast again."""
+    sm = yashard.shard(build(), config=yashard.ShardConfig(param_dtype=dtype))
+    ids = batches(1, 2, 8, sm.module.config.vocab_size)[0]
+    sm(input_ids=ids, labels=ids).loss.backward()
+    before = sm.full_state_dict()["model.norm.weight"].clone()
+    with torch.no_grad():
+        sm.module.model.norm.weight.fill_(3.0)
+    said = "this write did change them" if dtype == torch.float32 else "then lost"
+    with pytest.raises(RuntimeError, match=said):
+        sm(input_ids=ids, labels=ids)
+    after = sm.full_state_dict()["model.norm.weight"]
+    if dtype == torch.float32:
+        assert torch.all(after == 3.0)
+    else:
+        assert torch.equal(after, before)  # the masters never saw it ...
+        sm(input_ids=ids, labels=ids)       # ... and the next forward computes with them again
+        assert torch.equal(sm.module.model.norm.weight.float(), before.to(dtype).float())
+
+
+def test_one_rank_reduce_output_only_for_a_hook_that_asks(pg):
+    """The reduce-scatter output exists at one rank once a hook calls ``bucket.output()``; the plan
+    lists it from then on, and the result is the default hook's (fp32 through bf16: bf16 rounding)."""
+    from yashard.comm_hooks import bf16_compress_hook
+
+    sm = yashard.shard(build())
+    sm.register_comm_hook(None, bf16_compress_hook)
+    plan = sm.memory_plan()
+    assert "reduce-scatter out" not in {r.name for r in plan.rows}
+    ids = batches(1, 2, 8, sm.module.config.vocab_size)[0]
+    sm(input_ids=ids, labels=ids).loss.backward()
+    allocated = sm.runtime.allocated_tensors()
+    assert "reduce_out" in allocated
+    rows = {r.name: r for r in sm.memory_plan().rows}
+    assert rows["reduce-scatter out"].bytes == allocated["reduce_out"].numel() * 4
+    assert sm.memory_plan().total_bytes == sum(t.numel() * t.element_size() for t in allocated.values())
+    got = sm.full_grads()
+    ref = yashard.shard(build())
+    ref(input_ids=ids, labels=ids).loss.backward()
+    for k, g in ref.full_grads().items():
+        assert torch.equal(got[k], g.bfloat16().float()), k

@@ -143,3 +143,22 @@ def qgz_tensor_errors(rank: int, world: int, bits: int, block: int | None) -> di
         grads.append(sm.full_grads())
     exact, got = grads
     return {k: ((got[k] - exact[k]).norm() / exact[k].norm()).item() for k in exact if exact[k].norm() > 0}
+
+
+def subgroup_grads(rank: int, world: int, modes: list[dict]) -> dict:
+    """Sharding inside a data-parallel subgroup of a larger job: ranks {0, 2} and {1, 3} form the
+    data-parallel groups (as if 0/1 and 2/3 were tensor-parallel peers), each with its own data.
+    Every rank shards a model once per mode (a ShardConfig) and returns the full gradients of one
+    backward each (its group's batch split by rank)."""
+    import yashard
+    from models import batches, build
+
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    dp = groups[rank % 2]
+    out = {}
+    ids = batches(1, 4, 8, 96, seed=1 + rank % 2)[0].chunk(2)[dist.get_group_rank(dp, rank)]
+    for i, kw in enumerate(modes):
+        sm = yashard.shard(build(), process_group=dp, config=yashard.ShardConfig(**kw))
+        sm(input_ids=ids, labels=ids).loss.backward()
+        out[i] = sm.full_grads()
+    return out

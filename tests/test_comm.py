@@ -271,6 +271,25 @@ def test_paper_volume_table_cross_node_bytes():
     assert (f1 + b1 + g1) / m < 0.75
 
 
+def test_hybrid_and_hpz_inside_a_data_parallel_subgroup():
+    """Two data-parallel groups of one job, each sharding its own model: hybrid sharding and hpZ
+    create their subgroups among each group's members (before, both groups' subgroups were named by
+    one job-wide counter, so a subgroup of one group could rendezvous with the other's: a hang), and
+    give the plain sharding's gradients, bitwise."""
+    from comm_hook_workers import subgroup_grads
+
+    modes = [{}] + [{"shard_group_size": 1}, {"secondary_group_size": 1}] * 3
+    results = run_distributed(subgroup_grads, 4, modes, timeout=120)
+
+    def same(a, b):
+        return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    for rank, res in enumerate(results):
+        assert all(same(res[0], res[i]) for i in range(1, len(modes))), rank
+    assert same(results[0][0], results[2][0]) and same(results[1][0], results[3][0])  # one gradient per group
+    assert not same(results[0][0], results[1][0])  # the groups had different data
+
+
 def test_hybrid_from_a_device_mesh():
     """FSDP2-style HSDP: a (replicate, shard) DeviceMesh sets the groups. Rows of consecutive ranks
     train bitwise like shard_group_size=2; the transposed layout (shard groups [0 2] and [1 3],

@@ -4,6 +4,7 @@ Run on a CUDA machine with ``pytest tests/test_cuda.py``; they use a 1-rank NCCL
 except the overlap test, which needs 2 GPUs (2 ranks through tests/harness.py).
 """
 
+import gc
 import os
 import socket
 
@@ -79,8 +80,19 @@ def test_buffers_fixed_and_memory_plan_matches_allocation(nccl_group, reshard):
     def requested():  # bytes asked of the caching allocator and still held (no block rounding)
         return torch.cuda.memory_stats(dev)["requested_bytes.all.current"]
 
+    # earlier tests' models are cyclic garbage: a collection inside the measured span would free them
+    gc.collect()
+    gc.disable()
+    try:
+        _fixed_buffers(sm_config=yashard.ShardConfig(reshard_after_forward=reshard), model=model, dev=dev,
+                       requested=requested)
+    finally:
+        gc.enable()
+
+
+def _fixed_buffers(sm_config, model, dev, requested):
     before = requested()
-    sm = yashard.shard(model, config=yashard.ShardConfig(reshard_after_forward=reshard))
+    sm = yashard.shard(model, config=sm_config)
     torch.cuda.synchronize()
     held = requested() - before
     plan = sm.memory_plan().total_bytes

@@ -289,13 +289,14 @@ class Comm:
 
     def new_subgroups(self, rank_lists: list[list[int]]) -> dist.ProcessGroup | None:
         """Create one process group per list of ``group`` ranks, in order, and return the one this
-        rank belongs to (None if none). Collective: every rank of ``group`` calls it with the same
-        lists."""
+        rank belongs to (None if none). Collective over ``group`` only: every rank of it calls it with
+        the same lists, and ranks outside it never need to (``group`` may be a data-parallel subgroup
+        of a larger job: its tensor-parallel peers shard other models, or none)."""
         mine = None
         for ranks in rank_lists:
-            g = dist.new_group([dist.get_global_rank(self.group, r) for r in ranks])
-            if self.rank in ranks:
-                mine = g
+            if self.rank in ranks:  # (members synchronise among themselves: names hash the ranks)
+                mine = dist.new_group([dist.get_global_rank(self.group, r) for r in ranks],
+                                      use_local_synchronization=True)
         return mine
 
     def new_shard_subgroups(self, rank_lists: list[list[int]]) -> dist.ProcessGroup | None:

@@ -78,6 +78,21 @@ class Streams:
     def comm_context(self):
         return self.mod.stream(self.comm)
 
+    def share_with_comm(self, tensors) -> None:
+        """Mark persistent buffers (allocated on the compute stream, written by collectives too) as
+        used by the communication stream: if they are ever freed (the model is dropped), the caching
+        allocator hands their memory out again only after what that stream queued has run, such as
+        a prefetch no forward waited for. CPU frees synchronously: nothing to do."""
+        if self.device.type == "cuda":
+            for t in tensors:
+                if t.numel():
+                    t.record_stream(self.comm)
+
+    def current_waits_for_comm(self) -> None:
+        """Make the stream current now (the one ``backward()`` was called on, which need not be the
+        forward's compute stream) wait for everything queued on the communication stream."""
+        self.mod.current_stream(self.device).wait_stream(self.comm)
+
 
 class Completed:
     """A work handle for something that already finished on the issuing stream (a synchronous

@@ -307,6 +307,7 @@ class Runtime:
         self.warned_fp16 = False  # the fp16-without-ShardedGradScaler warning was logged
         guards.track(self, removed)  # weak references: the removed parameters are freed as usual
         self.model.to(self.device)  # moves the remaining buffers (rotary tables, ...)
+        self.streams.share_with_comm(self.allocated_tensors().values())
 
     def _materialise(self, groups, layouts) -> dict[str, torch.Tensor]:
         """Every unit's fp32 master shard, from live weights, an HF folder or the model's own init."""
@@ -394,7 +395,10 @@ class Runtime:
         label = "yashard::norm_group_all_gather" if unit.kind == "small" else "yashard::all_gather"
         comm = self.comm
         on_done = None
-        with self.streams.comm_context(), record_function(label):
+        training = torch.is_grad_enabled() and not self.in_backward  # (a training forward's gather)
+        # (no_grad: a c10d op has no autograd kernel, so an fp32 master as its input would give
+        # the slot an autograd history through torch's fallback)
+        with torch.no_grad(), self.streams.comm_context(), record_function(label):
             if slot.release is not None:
                 self.streams.comm.wait_event(slot.release)
             out = slot.weights_io.narrow(0, 0, unit.layout.padded)
@@ -407,7 +411,7 @@ class Runtime:
                     work = Completed()
                 else:
                     work = comm.all_gather(out, unit.gather_src, unit.name)
-                if unit.secondary is not None and torch.is_grad_enabled() and not self.in_backward:
+                if unit.secondary is not None and training:
                     secondary, h = unit.secondary, comm.topology.secondary_rank
                     on_done = functools.partial(_keep_secondary, secondary, out, h)
                     unit.secondary_version = unit.master._version
@@ -749,7 +753,7 @@ class Runtime:
                             slot.grads.narrow(0, 0, unit.layout.padded), self._reduce_output, self._workspace, n)
         self._bucket_index += 1
         label = "yashard::norm_group_reduce_scatter" if unit.kind == "small" else "yashard::reduce_scatter"
-        with self.streams.comm_context(), record_function(label):
+        with torch.no_grad(), self.streams.comm_context(), record_function(label):
             self.streams.comm.wait_event(ready)
             work = self.comm_hook(self.comm_hook_state, bucket)
         if not callable(getattr(work, "wait", None)):
@@ -800,6 +804,7 @@ class Runtime:
             if self.norm_group is not None:
                 self.norm_group.end_backward()
             self._drain()
+            self.streams.current_waits_for_comm()  # (backward() may run on another stream than the forward)
             unwritten = [u for u in self.units if u.grad_unwritten]  # no reduction wrote them (no_sync)
             if unwritten:
                 torch._foreach_zero_([u.grad_storage for u in unwritten])

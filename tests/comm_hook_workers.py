@@ -162,3 +162,142 @@ def subgroup_grads(rank: int, world: int, modes: list[dict]) -> dict:
         sm(input_ids=ids, labels=ids).loss.backward()
         out[i] = sm.full_grads()
     return out
+
+
+def strided_sum_hook(state, bucket):
+    """The exact SUM (the default hook's), handed back as a strided view."""
+    fut = comm_hooks.reduce_scatter_hook(state, bucket)
+    fut.wait()
+    value = fut.value()
+    pair = torch.stack([value, torch.zeros_like(value)], dim=1)  # every other element: stride 2
+    return comm_hooks._done(pair[:, 0])
+
+
+def bf16_sum_hook(state, bucket):
+    """The exact SUM, rounded to bf16 (a value in another dtype than reduce_dtype)."""
+    fut = comm_hooks.reduce_scatter_hook(state, bucket)
+    fut.wait()
+    return comm_hooks._done(fut.value().bfloat16())
+
+
+def hybrid_hook_values(rank: int, world: int) -> dict:
+    """Hybrid sharding (shard groups of one rank, replicas of ``world``): full gradients with the
+    default hook, with a hook giving the same SUM strided, and with one giving it in bf16."""
+    import yashard
+    from models import batches, build
+
+    ids = batches(1, 2 * world, 8, 96)[0].chunk(world)[rank]
+    out = {}
+    for name, hook in (("default", None), ("strided", strided_sum_hook), ("bf16", bf16_sum_hook)):
+        sm = yashard.shard(build(), config=yashard.ShardConfig(shard_group_size=1))
+        if hook is not None:
+            sm.register_comm_hook(None, hook)
+        sm(input_ids=ids, labels=ids).loss.backward()
+        out[name] = sm.full_grads()
+    return out
+
+
+def mismatched_hooks(rank: int, world: int, case: str) -> str:
+    """Rank 0 registers another hook (or other QgzState settings) than the others: refused at
+    registration on every rank, naming both."""
+    import re
+
+    import yashard
+    from models import build
+
+    sm = yashard.shard(build())
+    if case == "hook":
+        hook, state = (comm_hooks.bf16_compress_hook if rank == 0 else comm_hooks.reduce_scatter_hook), None
+    else:
+        hook, state = comm_hooks.qgz_hook, comm_hooks.QgzState(sm, 1, bits=8 if rank == 0 else 4)
+    try:
+        sm.register_comm_hook(state, hook)
+    except ValueError as e:
+        assert re.search(r"register_comm_hook: this rank \(rank \d\) registers hook yashard\.comm_hooks\.\w+ with "
+                         r"state \w+ .*, rank \d hook .*every rank must register the same hook", str(e)), str(e)
+        return "refused"
+    return "accepted"
+
+
+def stalled_future(rank: int, world: int) -> str:
+    """A hook returning a plain torch.futures.Future that never completes on rank 0 (its peer stalls):
+    the wait is bounded by collective_timeout like any other."""
+    import time
+
+    import yashard
+    from models import build
+    from yashard.collectives import CollectiveError
+
+    def never(state, bucket):
+        return torch.futures.Future()  # never set
+
+    sm = yashard.shard(build(), config=yashard.ShardConfig(collective_timeout=2.0))
+    sm.register_comm_hook(None, never)
+    ids = torch.randint(0, 96, (2, 8))
+    t0 = time.monotonic()
+    try:
+        sm(input_ids=ids, labels=ids).loss.backward()
+    except CollectiveError as e:
+        assert "not done within 2.0s" in str(e), str(e)
+        return f"raised after {time.monotonic() - t0:.1f}s"
+    return "returned"
+
+
+def qgz_resume(rank: int, world: int, root: str) -> bool:
+    """qgZ int4 (stochastic rounding): 4 steps straight, against 2 steps, save_checkpoint, a fresh
+    model, hook state and optimizer, load_checkpoint, 2 steps. Returns whether the two runs end with
+    bitwise equal parameters (the checkpoint carries QgzState's rounding position)."""
+    import yashard
+    from models import batches, build
+
+    data = batches(4, 2 * world, 8, 96)
+
+    def fresh():
+        sm = yashard.shard(build())
+        sm.register_comm_hook(comm_hooks.QgzState(sm, 1, bits=4), comm_hooks.qgz_hook)
+        return sm, torch.optim.AdamW(sm.parameters(), lr=1e-2)
+
+    def steps(sm, opt, lo, hi):
+        for ids in data[lo:hi]:
+            ids = ids.chunk(world)[rank]
+            sm(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+    sm, opt = fresh()
+    steps(sm, opt, 0, 2)
+    yashard.save_checkpoint(root, sm, opt)
+    steps(sm, opt, 2, 4)
+    straight = sm.full_state_dict()
+    sm, opt = fresh()
+    yashard.load_checkpoint(root, sm, opt)
+    steps(sm, opt, 2, 4)
+    resumed = sm.full_state_dict()
+    return all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+
+def layers_bf16_hook(state, bucket):
+    """bf16 compression for decoder layers, the exact default for the rest: two dtypes of scratch."""
+    hook = comm_hooks.bf16_compress_hook if bucket.name.startswith("layer_") else comm_hooks.reduce_scatter_hook
+    return hook(state, bucket)
+
+
+def mixed_hook_buffers(rank: int, world: int) -> list:
+    """Data pointers of every buffer the runtime holds after each of 3 steps with a hook that mixes the
+    default hook's fp32 scratch with bf16 compression (gloo at 3 ranks needs reduce-scatter scratch)."""
+    import yashard
+    from models import batches, build
+
+    sm = yashard.shard(build())
+    sm.register_comm_hook(None, layers_bf16_hook)
+    opt = torch.optim.AdamW(sm.parameters(), lr=1e-3)
+    seen = []
+    for ids in batches(3, 2 * world, 8, 96):
+        ids = ids.chunk(world)[rank]
+        sm(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        held = sm.runtime.allocated_tensors()
+        seen.append(({k: t.data_ptr() for k, t in held.items()},
+                     sm.memory_plan().total_bytes == sum(t.numel() * t.element_size() for t in held.values())))
+    return seen

@@ -290,6 +290,53 @@ def test_hybrid_and_hpz_inside_a_data_parallel_subgroup():
     assert not same(results[0][0], results[1][0])  # the groups had different data
 
 
+def test_hook_values_strided_or_in_another_dtype_under_hybrid_sharding():
+    """A hook's value is the replica group's input as it is: a strided one was all-reduced wrongly by
+    gloo (gradients off by up to 100%), a bf16 one summed in bf16. Now both are summed dense, in
+    reduce_dtype (fp32): strided gives the default's gradients bitwise; bf16 gives sums of bf16-rounded
+    values that bf16 itself could not hold."""
+    from comm_hook_workers import hybrid_hook_values
+
+    for res in run_distributed(hybrid_hook_values, 2):
+        for k, g in res["default"].items():
+            assert torch.equal(res["strided"][k], g), k
+            assert (res["bf16"][k] - g).norm() <= 2**-8 * g.norm(), k  # each term rounded to bf16 once
+        # x 2 undoes the post-divide exactly: the replica sum, which a bf16 sum would leave on the bf16 grid
+        assert any(not torch.equal(t * 2, (t * 2).bfloat16().float()) for t in res["bf16"].values())
+
+
+@pytest.mark.parametrize("case", ["hook", "qgz_settings"])
+def test_a_hook_that_differs_between_ranks_is_refused(case):
+    from comm_hook_workers import mismatched_hooks
+
+    assert run_distributed(mismatched_hooks, 2, case) == ["refused", "refused"]
+
+
+def test_a_plain_future_is_bounded_by_collective_timeout():
+    from comm_hook_workers import stalled_future
+
+    for res in run_distributed(stalled_future, 1, timeout=60):
+        assert res.startswith("raised after") and float(res.split()[2][:-1]) < 10, res
+
+
+def test_stochastic_qgz_resumes_bitwise(tmp_path):
+    """QgzState's rounding position travels in the checkpoint: a resumed int4 qgZ run draws what the
+    uninterrupted one drew (before, the draws started over and the runs parted by ~3e-2)."""
+    from comm_hook_workers import qgz_resume
+
+    assert run_distributed(qgz_resume, 2, str(tmp_path / "ckpt")) == [True, True]
+
+
+def test_a_hook_mixing_scratch_dtypes_keeps_memory_fixed():
+    """One workspace per name and dtype: the default hook's fp32 scratch and bf16 compression's
+    under one hook no longer reallocate each other's buffer at every bucket."""
+    from comm_hook_workers import mixed_hook_buffers
+
+    for seen in run_distributed(mixed_hook_buffers, 3):
+        assert all(ptrs == seen[0][0] and planned for ptrs, planned in seen)
+        assert any("[bfloat16]" in k or "bfloat16" in k for k in seen[0][0])
+
+
 def test_hybrid_from_a_device_mesh():
     """FSDP2-style HSDP: a (replicate, shard) DeviceMesh sets the groups. Rows of consecutive ranks
     train bitwise like shard_group_size=2; the transposed layout (shard groups [0 2] and [1 3],
@@ -359,7 +406,8 @@ def test_200_step_convergence_of_every_mode():
         assert abs(d) < 0.01, (m, d)
 
 
-@pytest.mark.parametrize("case", ["twice", "after_forward", "not_callable", "bad_return", "bad_size"])
+@pytest.mark.parametrize("case", ["twice", "default_then_other", "after_forward", "not_callable", "bad_return",
+                                  "bad_size", "bad_2d", "bad_int", "qgz_unsharded", "qgz_other_model", "qgz_block0"])
 def test_comm_hook_errors(case):
     assert run_distributed(_hook_error, 1, case)[0] == "ok"
 
@@ -379,8 +427,15 @@ def _hook_error(rank, world, case):
         "after_forward": (RuntimeError, r"register_comm_hook must be called before the first forward"),
         "not_callable": (TypeError, r"register_comm_hook needs a callable hook\(state, bucket\), got int"),
         "bad_return": (TypeError, r"comm hook 'bad' returned Tensor for lm_head; a hook returns a future"),
-        "bad_size": (ValueError, r"comm hook 'short' gave \(3,\) for \w+; its future must hold this rank's "
-                                 r"\d+-element shard of the SUM"),
+        "default_then_other": (RuntimeError, r"a comm hook \(reduce_scatter_hook\) is already registered"),
+        "bad_size": (ValueError, r"comm hook 'short' gave a \(3,\) torch.float32 tensor for \w+; its future must "
+                                 r"hold this rank's shard of the SUM: a 1-D floating tensor of \d+ elements"),
+        "bad_2d": (ValueError, r"comm hook 'two_d' gave a \(2, \d+\) torch.float32 tensor for \w+; .* a 1-D floating"),
+        "bad_int": (ValueError, r"comm hook 'ints' gave a \(\d+,\) torch.int32 tensor for \w+; .* a 1-D floating"),
+        "qgz_unsharded": (TypeError, r"QgzState needs the model yashard.shard returned, got a LlamaForCausalLM that "
+                                     r"is not sharded"),
+        "qgz_other_model": (ValueError, r"qgz_hook: this QgzState was built for another sharded model"),
+        "qgz_block0": (ValueError, r"block must be an int in \[1, 32768\], got 0; the default is 64"),
     }
     exc, pattern = patterns[case]
 
@@ -390,10 +445,29 @@ def _hook_error(rank, world, case):
     def short(state, bucket):
         return comm_hooks._done(bucket.output()[:3])
 
+    def two_d(state, bucket):
+        return comm_hooks._done(bucket.buffer().view(2, -1))
+
+    def ints(state, bucket):
+        return comm_hooks._done(bucket.buffer().int())
+
     try:
         if case == "twice":
             sm.register_comm_hook(None, comm_hooks.noop_hook)
             sm.register_comm_hook(None, comm_hooks.noop_hook)
+        elif case == "default_then_other":
+            sm.register_comm_hook(None, comm_hooks.reduce_scatter_hook)
+            sm.register_comm_hook(None, comm_hooks.noop_hook)
+        elif case == "qgz_unsharded":
+            comm_hooks.QgzState(build(), 1)
+        elif case == "qgz_other_model":
+            sm.register_comm_hook(comm_hooks.QgzState(yashard.shard(build()), 1, bits=8), comm_hooks.qgz_hook)
+            sm(input_ids=ids, labels=ids).loss.backward()
+        elif case == "qgz_block0":
+            comm_hooks.QgzState(sm, 1, block=0)
+        elif case in ("bad_2d", "bad_int"):
+            sm.register_comm_hook(None, two_d if case == "bad_2d" else ints)
+            sm(input_ids=ids, labels=ids).loss.backward()
         elif case == "after_forward":
             sm(input_ids=ids, labels=ids).loss.backward()
             sm.register_comm_hook(None, comm_hooks.noop_hook)

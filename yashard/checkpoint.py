@@ -460,7 +460,14 @@ def _build_index(rt: "Runtime", metas: list[dict], opt_meta: dict | None, extra:
                   "fingerprint": fingerprint(described),
                   "config": _config_dict(hf)},
         "files": files, "params": params, "optimizer": optimizer, "extra": extra,
+        "comm_hook_state": _hook_state(rt),
     }
+
+
+def _hook_state(rt) -> dict | None:
+    """The registered comm hook's state, where it has one to resume (``QgzState``'s rounding draws)."""
+    get = getattr(rt.comm_hook_state, "state_dict", None)
+    return get() if callable(get) else None
 
 
 def _commit(root: Path, save_dir: Path, index: dict) -> None:
@@ -857,6 +864,9 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer: torch.optim.Optim
         err = None
         try:
             _fill(rt, plan, files, optimizer, index)
+            hook_state = index.get("comm_hook_state")
+            if hook_state is not None and callable(getattr(rt.comm_hook_state, "load_state_dict", None)):
+                rt.comm_hook_state.load_state_dict(hook_state)
         except Exception as e:  # noqa: BLE001
             err = e
         _agree(comm, "load_checkpoint", err)

@@ -66,14 +66,21 @@ def wait_timeout(device_type: str, timeout: float | None, host: bool) -> float |
 
 
 def _wait(work, timeout: float | None):
-    """``work.wait()``, bounded by ``timeout`` seconds where the handle takes one: c10d work
-    handles take a timedelta, :class:`WorkFuture` and :class:`_Works` take seconds."""
+    """``work.wait()``, bounded by ``timeout`` seconds: c10d work handles take a timedelta,
+    :class:`WorkFuture` and :class:`_Works` take seconds, a ``torch.futures.Future`` is polled."""
     if timeout is None:
         return work.wait()
     if isinstance(work, dist.Work):
         return work.wait(timeout=datetime.timedelta(seconds=timeout))
     if isinstance(work, (WorkFuture, _Works)):
         return work.wait(timeout=timeout)
+    if callable(getattr(work, "done", None)):  # a torch.futures.Future (a comm hook's): poll it
+        deadline, pause = time.monotonic() + timeout, 1e-4
+        while not work.done():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not done within {timeout}s")
+            time.sleep(pause)
+            pause = min(2 * pause, 1e-2)
     return work.wait()
 
 

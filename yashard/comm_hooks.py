@@ -126,8 +126,9 @@ def _scratch(bucket: GradBucket, dtype: torch.dtype) -> torch.Tensor | None:
 
 
 def noop_hook(state: Any, bucket: GradBucket) -> torch.futures.Future:
-    """No communication: returns this rank's own, unreduced chunk. Gradients are WRONG (each rank
-    trains on its own data only): use it to measure the communication share of a step."""
+    """No communication in the shard group: returns this rank's own, unreduced chunk. Gradients are
+    WRONG (each rank trains on its own data only): use it to measure the communication share of a
+    step. (With hybrid sharding the runtime's all-reduce over the replica group still runs.)"""
     n = bucket.shard_numel
     rank = bucket.comm.shard_rank
     return _done(bucket.buffer().narrow(0, rank * n, n))
@@ -191,10 +192,15 @@ class QgzState:
         from .quant import check_format
         from .zeropp import qgz_group_ranks
 
-        comm = model.runtime.comm
+        runtime = getattr(model, "runtime", None)
+        if runtime is None:
+            raise TypeError(f"QgzState needs the model yashard.shard returned, got a {type(model).__name__} that "
+                            "is not sharded: model = yashard.shard(model) first")
+        comm = runtime.comm
+        default = QGZ_DEFAULT_BLOCK.get(bits, 4096)  # (an invalid bits is reported by check_format)
+        check_format(bits, default if block is None else block, default=default)
         if block is None:
-            block = QGZ_DEFAULT_BLOCK.get(bits, 4096)  # an invalid bits is reported by check_format
-        check_format(bits, block)
+            block = default
         if rounding not in ("auto", "stochastic", "nearest"):
             raise ValueError(f"QgzState: rounding must be 'auto', 'stochastic' or 'nearest', got {rounding!r}")
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
@@ -210,6 +216,7 @@ class QgzState:
         intra, inter = qgz_group_ranks(comm.shard_world, ranks_per_node)
         self.ranks_per_node, self.bits, self.block, self.rounding = ranks_per_node, bits, block, rounding
         self.rank, self.seed = comm.rank, seed
+        self.comm = comm  # (the model's: a state serves the model it was built for)
         self.calls = 0  # quantized reductions so far: with the seed and the rank, the next one's seed
         self.intra = comm.new_shard_subgroups(intra) if ranks_per_node > 1 else None
         self.inter = comm.new_shard_subgroups(inter) if len(intra) > 1 else None
@@ -217,6 +224,18 @@ class QgzState:
             if g is not None:
                 comm.label(g, label)
         self.fallbacks: dict[str, str] = {}
+
+    def settings(self) -> tuple:
+        """What every rank must agree on (``register_comm_hook`` compares it across ranks)."""
+        return (self.ranks_per_node, self.bits, self.block, self.rounding, self.seed)
+
+    def state_dict(self) -> dict:
+        """The stochastic-rounding position, saved by ``yashard.save_checkpoint`` so that a resumed
+        run draws what the uninterrupted one would have."""
+        return {"calls": self.calls}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.calls = int(state["calls"])
 
 
 def qgz_hook(state: QgzState, bucket: GradBucket):
@@ -228,6 +247,9 @@ def qgz_hook(state: QgzState, bucket: GradBucket):
 
     if not isinstance(state, QgzState):
         raise TypeError(f"qgz_hook needs a yashard.comm_hooks.QgzState as its state, got {type(state).__name__}")
+    if state.comm is not bucket.comm:
+        raise ValueError("qgz_hook: this QgzState was built for another sharded model (its node groups are that "
+                         "model's); build one per model: QgzState(model, ranks_per_node)")
     comm, buf, out = bucket.comm, bucket.buffer(), bucket.output()
     w = comm.shard_world
     reason = qgz_fallback_reason(buf.numel(), w, state.ranks_per_node, dtype=buf.dtype, bits=state.bits,

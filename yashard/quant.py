@@ -62,16 +62,17 @@ BACKENDS = ("auto", "triton", "torch")
 # ----------------------------------------------------------------------------------------- sizes
 
 
-def check_format(bits: int, block: int) -> None:
-    """Raise ValueError unless ``bits`` is 8 or 4 and ``block`` is a valid block size for it."""
+def check_format(bits: int, block: int, default: int = 4096) -> None:
+    """Raise ValueError unless ``bits`` is 8 or 4 and ``block`` is a valid block size for it
+    (``default``: the caller's default block, which the message suggests)."""
     if bits not in QMAX:
         raise ValueError(f"quantization bits must be 8 or 4, got {bits!r}")
     if not isinstance(block, int) or isinstance(block, bool) or not 1 <= block <= MAX_BLOCK:
         raise ValueError(f"quantization block must be an int in [1, {MAX_BLOCK}], got {block!r}; "
-                         f"the default is 4096")
+                         f"the default is {default}")
     if bits == 4 and block % 2:
         raise ValueError(f"int4 packs two codes per byte, so the block must be even, got block={block}; "
-                         f"use e.g. 4096")
+                         f"use e.g. {default}")
 
 
 def num_blocks(numel: int, block: int) -> int:

@@ -78,6 +78,7 @@ class Runtime:
         self.comm_hook = reduce_scatter_hook   # how each unit's gradients are reduced (comm_hooks.py)
         self.comm_hook_state = None
         self._workspaces: dict[str, torch.Tensor] = {}   # comm hooks' persistent scratch buffers
+        self._hook_registered = False  # register_comm_hook was called (once only)
         self._bucket_index = 0
         self._cast_versions: tuple | None = None   # master versions the param_dtype shards were cast at
         self._fwd_cursor = 0
@@ -765,16 +766,22 @@ class Runtime:
         scale = 1.0 / self.dp_world
         master = unit.master
         replicas = self.comm.replica_group
+        gdt = self.config.wire_dtype
 
         def accumulate(value):  # hybrid all-reduce, then post-divide, in fp32, into the persistent grad
-            if not isinstance(value, torch.Tensor) or value.numel() != n:
+            if not isinstance(value, torch.Tensor) or value.shape != (n,) or not value.is_floating_point():
                 raise ValueError(
                     f"comm hook {getattr(self.comm_hook, '__name__', self.comm_hook)!r} gave "
-                    f"{tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__} for "
-                    f"{unit.name}; its future must hold this rank's {n}-element shard of the SUM"
+                    + (f"a {tuple(value.shape)} {value.dtype} tensor" if isinstance(value, torch.Tensor)
+                       else type(value).__name__)
+                    + f" for {unit.name}; its future must hold this rank's shard of the SUM: a 1-D floating "
+                    f"tensor of {n} elements"
                 )
             with record_function("yashard::post_divide"):
                 if replicas is not None:
+                    # (a hook's own value, in another dtype or strided: the replica sum in reduce_dtype, dense)
+                    if value.dtype != gdt or not value.is_contiguous():
+                        value = value.to(gdt).contiguous()
                     self.comm.all_reduce(value, unit.name, replicas)
                 if self._discard_reductions:  # a failed backward's, waited for by the next forward
                     return
@@ -879,10 +886,14 @@ class Runtime:
         return self.reduce_out.narrow(0, 0, n)
 
     def _workspace(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A comm hook's persistent scratch buffer (see ``GradBucket.workspace``)."""
-        buf = self._workspaces.get(name)
-        if buf is None or buf.numel() < numel or buf.dtype != dtype:
-            buf = self._workspaces[name] = torch.empty(numel, dtype=dtype, device=self.device)
+        """A comm hook's persistent scratch buffer (see ``GradBucket.workspace``): one per name and
+        dtype (hooks that mix dtypes under one name, say the default hook's fp32 scratch beside a
+        16-bit one, get one buffer each, so memory stays fixed), grown to the largest request."""
+        first = self._workspaces.get(name)
+        key = name if first is None or first.dtype == dtype else f"{name}[{str(dtype).replace('torch.', '')}]"
+        buf = self._workspaces.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = self._workspaces[key] = torch.empty(numel, dtype=dtype, device=self.device)
         return buf.narrow(0, 0, numel)
 
     def check_no_sync(self) -> None:
@@ -935,7 +946,7 @@ class Runtime:
         """Replace how each unit's gradients are reduced (contract in :mod:`yashard.comm_hooks`)."""
         if not callable(hook):
             raise TypeError(f"register_comm_hook needs a callable hook(state, bucket), got {type(hook).__name__}")
-        if self.comm_hook is not reduce_scatter_hook:
+        if self._hook_registered:
             raise RuntimeError(
                 f"a comm hook ({getattr(self.comm_hook, '__name__', self.comm_hook)}) is already registered; "
                 "register one hook, once, before the first forward"
@@ -945,8 +956,26 @@ class Runtime:
                 "register_comm_hook must be called before the first forward (gradients of earlier steps "
                 "were reduced by the default hook)"
             )
+        self._check_same_hook(state, hook)
         self.comm_hook, self.comm_hook_state = hook, state
+        self._hook_registered = True
         self._workspaces.clear()  # the default hook's buffers; the new hook asks for its own
+
+    def _check_same_hook(self, state, hook) -> None:
+        """Every rank must reduce with the same hook and state settings, or their collectives
+        differ in size (a crash inside the backend, blamed on a peer): compare them, as ``shard()``
+        compares the ``ShardConfig``."""
+        settings = getattr(state, "settings", None)
+        mine = (getattr(hook, "__module__", "?") + "." + getattr(hook, "__name__", type(hook).__name__),
+                type(state).__qualname__, repr(settings() if callable(settings) else None))
+        every = self.comm.all_gather_object(mine, "register_comm_hook (same hook on every rank)")
+        for r, theirs in enumerate(every):
+            if theirs != mine:
+                raise ValueError(
+                    f"register_comm_hook: this rank (rank {self.comm.rank}) registers hook {mine[0]} with state "
+                    f"{mine[1]} {mine[2]}, rank {r} hook {theirs[0]} with state {theirs[1]} {theirs[2]}; every rank "
+                    "must register the same hook with the same settings"
+                )
 
     def module_name(self, unit: Unit) -> str:
         """The HF path of ``unit`` ("model.layers.3", "lm_head", ...), for messages."""

@@ -120,8 +120,9 @@ def _answer_device_and_dtype(module: nn.Module, runtime: Runtime) -> None:
     counts them), ``get_memory_footprint`` this rank's bytes of them (its fp32 master shards).
     The subclass also turns ``generate``'s ``synced_gpus`` on when the shard group is the whole world
     of several ranks (as HF does for FSDP and ZeRO-3: a rank that finished keeps joining the gathers),
-    sends ``requires_grad_`` to the shards, refuses pickling, deep copies, torch's distributed
-    state-dict helpers and HF's activation checkpointing (``checkpoint_layers``)."""
+    sends ``requires_grad_`` to the shards, makes ``tie_weights`` a no-op (ties are resolved at
+    ``shard()``), refuses pickling, deep copies, torch's distributed state-dict helpers,
+    ``resize_token_embeddings`` and HF's activation checkpointing (``checkpoint_layers``)."""
     cls = type(module)
     if not isinstance(getattr(cls, "device", None), property):
         return  # not an HF model: nothing reads these
@@ -189,6 +190,22 @@ def _answer_device_and_dtype(module: nn.Module, runtime: Runtime) -> None:
     for name in ("gradient_checkpointing_enable", "activation_checkpointing_enable"):
         if hasattr(cls, name):
             members[name] = refuse_hf_checkpointing
+
+    def tie_weights(self, *args, **kwargs):
+        """Nothing to do: tied parameters became one master shard at ``shard()`` (PEFT and Accelerate
+        call this on the models they wrap)."""
+        return None
+
+    def resize_token_embeddings(self, *args, **kwargs):
+        raise ValueError(
+            "resize_token_embeddings on a yashard-sharded model: the embedding and lm_head live in fixed sharded "
+            "buffers laid out at shard(); resize the HF model before yashard.shard (tied embeddings stay tied)"
+        )
+
+    if hasattr(cls, "tie_weights"):
+        members["tie_weights"] = tie_weights
+    if hasattr(cls, "resize_token_embeddings"):
+        members["resize_token_embeddings"] = resize_token_embeddings
     module.__class__ = same_named_subclass(cls, _SHARDED_CLASSES, members)
     module.__dict__["_yashard_device"] = runtime.device
     module.__dict__["_yashard_dtype"] = runtime.config.param_dtype
@@ -362,10 +379,17 @@ def shard(model: nn.Module, *, config: ShardConfig | None = None, process_group=
         raise ValueError("model is already sharded by yashard; call yashard.shard once per model")
     if not isinstance(model, nn.Module):
         raise TypeError(f"yashard.shard expects an nn.Module, got {type(model).__name__}")
+    low = {p.dtype for p in model.parameters() if p.is_floating_point()} if isinstance(model, nn.Module) else set()
+    low = next(iter(low)) if len(low) == 1 and low <= {torch.bfloat16, torch.float16} else None
     if config is None:
-        config = ShardConfig()
+        # a bf16/fp16 model computes in its dtype, as FSDP2 keeps it (the masters are fp32 all the same)
+        config = ShardConfig() if low is None else ShardConfig(param_dtype=low)
     elif not isinstance(config, ShardConfig):
         raise TypeError(f"config must be a yashard.ShardConfig, got {type(config).__name__}")
+    elif low is not None and config.param_dtype != low:
+        logger.warning("yashard: the model's parameters are %s but ShardConfig.param_dtype is %s: it computes in "
+                       "%s (masters are fp32 either way); pass ShardConfig(param_dtype=%s) to compute in %s",
+                       low, config.param_dtype, config.param_dtype, low, low)
     if mesh is not None and not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
     comm = Comm(process_group, shard_group_size=config.shard_group_size,
@@ -402,10 +426,13 @@ def from_pretrained(path: str | os.PathLike, *, config: ShardConfig | None = Non
                     mesh=None, **model_kwargs) -> ShardedModel:
     """Build the HF causal LM of a local checkpoint folder on the meta device and shard it from the
     folder's safetensors files; no rank ever holds the full model. ``model_kwargs`` go to
-    ``AutoModelForCausalLM.from_config`` (e.g. ``attn_implementation="sdpa"``)."""
+    ``AutoModelForCausalLM.from_config`` (e.g. ``attn_implementation="sdpa"``); ``dtype=torch.bfloat16``
+    (or float16) computes in that dtype, as ``ShardConfig(param_dtype=...)`` does, with fp32 masters."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf_config = AutoConfig.from_pretrained(os.fspath(path))
-    with torch.device("meta"):
+    if "torch_dtype" in model_kwargs:  # (the older name of dtype)
+        model_kwargs["dtype"] = model_kwargs.pop("torch_dtype")
+    with torch.device("meta"):  # dtype=torch.bfloat16: computes in bf16 (ShardConfig.param_dtype), fp32 masters
         model = AutoModelForCausalLM.from_config(hf_config, **{"dtype": torch.float32, **model_kwargs})
     return shard(model, config=config, process_group=process_group, mesh=mesh, weights=path)

@@ -21,9 +21,12 @@ from __future__ import annotations
 import copy
 import inspect
 import json
+import logging
 import math
 import os
+import re
 from contextlib import nullcontext
+from types import SimpleNamespace
 from typing import Callable
 
 import torch
@@ -63,6 +66,12 @@ def from_live(groups, layouts, masters, rank: int, broadcast: Callable[[torch.Te
         del flat
 
 
+logger = logging.getLogger("yashard")
+
+# Stored dtypes a folder's weights may have: yashard widens them to its fp32 masters as they are.
+FLOAT_WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
 # ------------------------------------------------------------------------------------------ folder
 class HFFolder:
     """The safetensors files of a HuggingFace checkpoint folder (headers read on first use)."""
@@ -95,31 +104,108 @@ class HFFolder:
 
     def _file(self, filename: str) -> SafetensorsFile:
         if filename not in self._files:
-            self._files[filename] = SafetensorsFile(os.path.join(self.path, filename))
+            path = os.path.join(self.path, filename)
+            if not os.path.exists(path):
+                raise FileNotFoundError(
+                    f"{self.path}: model.safetensors.index.json lists {filename}, which is not in the folder; "
+                    "copy the whole checkpoint folder (every file its index names)"
+                )
+            self._files[filename] = SafetensorsFile(path)
         return self._files[filename]
 
+    def _holding(self, name: str) -> SafetensorsFile:
+        file = self._file(self.weight_map[name])
+        if name not in file.tensors:
+            raise ValueError(
+                f"{self.path}: model.safetensors.index.json places {name} in {self.weight_map[name]}, which does "
+                "not hold it; the index and the files come from different saves: copy the folder again"
+            )
+        return file
+
     def shape(self, name: str) -> tuple[int, ...]:
-        return self._file(self.weight_map[name]).shape(name)
+        return self._holding(name).shape(name)
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._holding(name).dtype(name)
 
     def read(self, name: str, lo: int, hi: int) -> torch.Tensor:
-        return self._file(self.weight_map[name]).read(name, lo, hi)
+        return self._holding(name).read(name, lo, hi)
+
+    def config(self) -> dict | None:
+        """The folder's ``config.json``, if it has one."""
+        path = os.path.join(self.path, "config.json")
+        if not os.path.exists(path):
+            return None
+        with open(path) as f:
+            return json.load(f)
 
 
-def from_folder(folder: HFFolder, groups, layouts, masters, rank: int) -> None:
-    """Masters from a HF folder: each rank reads only the rows that cover its shard."""
+def check_folder_config(folder: HFFolder, model: nn.Module, warn: bool = True) -> None:
+    """Refuse a folder whose weights would mean something else in ``model``: quantized weights
+    (their scales live in other tensors) and another architecture; warn when config fields that
+    change the computation differ."""
+    saved = folder.config()
+    if saved is None:
+        return
+    quant = saved.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+        raise ValueError(
+            f"{folder.path} holds quantized weights (config.json quantization_config: {method}); yashard loads "
+            "float weights only and would read the quantized codes without their scales. Dequantize first (load "
+            "it with transformers and save_pretrained a bf16 or fp32 copy)"
+        )
+    cfg = getattr(model, "config", None)
+    ours, theirs = getattr(cfg, "model_type", None), saved.get("model_type")
+    if ours and theirs and ours != theirs:
+        raise ValueError(
+            f"{folder.path} is a {theirs} checkpoint (config.json model_type) and the model is a {ours}; the same "
+            "names can mean other computations (Gemma's norms scale by 1 + w). Build the model from the folder's "
+            "config: yashard.from_pretrained(folder)"
+        )
+    from .checkpoint import _config_dict, config_diff
+
+    if not warn:
+        return
+    try:  # config.json leaves defaults out: compare whole configs
+        from transformers import AutoConfig
+
+        saved = _config_dict(SimpleNamespace(config=AutoConfig.from_pretrained(folder.path)))
+    except Exception:  # noqa: BLE001 - a config transformers cannot read: nothing to compare
+        return
+    changed = config_diff(saved, _config_dict(model))
+    if changed:
+        logger.warning("yashard: the model's config differs from %s/config.json in fields that change the "
+                       "computation: %s", folder.path, "; ".join(changed))
+
+
+def from_folder(folder: HFFolder, groups, layouts, masters, rank: int) -> set[str]:
+    """Masters from a HF folder: each rank reads only the rows that cover its shard. Returns the
+    names read (tied names included)."""
     missing, wrong = [], []
     plan = []
+    used = set()
     for key, members in groups.items():
         layout = layouts[key]
         for index, (entry, (_, _, fqns)) in enumerate(zip(layout.entries, members)):
-            name = next((n for n in fqns if n in folder.weight_map), None)
-            if name is None:
+            present = [n for n in fqns if n in folder.weight_map]
+            if not present:
                 missing.append(" / ".join(fqns))
                 continue
+            name = present[0]
             stored = folder.shape(name)
             if stored != entry.shape:
                 wrong.append(f"{name}: folder {list(stored)}, model {list(entry.shape)}")
                 continue
+            dtype = folder.dtype(name)
+            if dtype not in FLOAT_WEIGHT_DTYPES:
+                raise ValueError(
+                    f"{folder.path}: {name} is stored as {dtype}; yashard loads float weights only (fp32, bf16, fp16) "
+                    "and would read quantized codes as numbers. Dequantize the checkpoint first"
+                )
+            for other in present[1:]:  # the model ties these names: the folder must hold one tensor
+                _check_tied(folder, name, other)
+            used.update(present)
             plan.append((key, index, name))
     if missing or wrong:
         parts = []
@@ -139,6 +225,34 @@ def from_folder(folder: HFFolder, groups, layouts, masters, rank: int) -> None:
             if piece.entry == index:
                 part = folder.read(name, piece.entry_start, piece.entry_end)
                 masters[key][piece.shard_start : piece.shard_start + piece.numel].copy_(part)
+    return used
+
+
+def _check_tied(folder: HFFolder, a: str, b: str, chunk: int = 1 << 24) -> None:
+    """The model ties ``a`` and ``b`` (one parameter) and the folder stores both: they must be equal,
+    or one of them would be dropped (transformers 5 then leaves the two untied)."""
+    if folder.shape(b) != folder.shape(a):
+        raise ValueError(f"{folder.path}: the model ties {a} and {b}, which the folder stores with other shapes")
+    numel = math.prod(folder.shape(a))
+    for lo in range(0, numel, chunk):
+        hi = min(lo + chunk, numel)
+        if not torch.equal(folder.read(a, lo, hi).float(), folder.read(b, lo, hi).float()):
+            raise ValueError(
+                f"{folder.path} stores {a} and {b} with different values, but the model ties them (its config has "
+                "tie_word_embeddings=True): one would be dropped. Build the model with tie_word_embeddings=False "
+                "(as transformers does for such a folder), or save the folder with tied weights"
+            )
+
+
+def warn_unused(folder: HFFolder, model: nn.Module, used: set[str]) -> None:
+    """Log the folder's tensors the model has no place for (another model's, or more layers), as
+    transformers' load report does; tensors the model class declares ignorable are left out."""
+    ignore = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])]
+    extra = sorted(k for k in folder.weight_map if k not in used and not k.endswith("rotary_emb.inv_freq")
+                   and not any(p.search(k) for p in ignore))
+    if extra:
+        logger.warning("yashard: %d tensor(s) in %s have no place in the model and were not loaded: %s%s",
+                       len(extra), folder.path, ", ".join(extra[:6]), ", ..." if len(extra) > 6 else "")
 
 
 def load_buffers_from_folder(model: nn.Module, folder: HFFolder) -> set[str]:

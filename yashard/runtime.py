@@ -326,8 +326,11 @@ class Runtime:
                 )
         if self.weights is not None:
             folder = materialize.HFFolder(self.weights)
-            materialize.from_folder(folder, groups, layouts, masters, rank)
-            materialize.load_buffers_from_folder(self.model, folder)
+            materialize.check_folder_config(folder, self.model, warn=rank == 0)
+            used = materialize.from_folder(folder, groups, layouts, masters, rank)
+            used |= materialize.load_buffers_from_folder(self.model, folder)
+            if rank == 0:
+                materialize.warn_unused(folder, self.model, used)
             materialize.init_meta_buffers(self.model)
         elif meta:
             index = {id(p): (key, i) for key, members in groups.items() for i, (p, _, _) in enumerate(members)}

@@ -1,0 +1,125 @@
+"""HF folders that would load wrong are refused or reported, and HF model methods that do not fit
+a sharded model say so (world 1, in-process)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import yashard
+from loading_workers import meta_model
+from models import build
+
+
+def _save(model, folder, **kw) -> str:
+    model.save_pretrained(folder, **kw)
+    return str(folder)
+
+
+def _edit_config(folder, **changes) -> None:
+    path = os.path.join(folder, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg.update(changes)
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+
+
+def _edit_tensors(folder, fn) -> None:
+    path = os.path.join(folder, "model.safetensors")
+    tensors = load_file(path)
+    fn(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def test_quantized_folders_are_refused(pg, tmp_path):
+    folder = _save(build(), tmp_path / "fp8")
+    _edit_config(folder, quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
+    with pytest.raises(ValueError, match=r"holds quantized weights \(config.json quantization_config: fp8\); yashard "
+                                         r"loads float weights only .* Dequantize first"):
+        yashard.shard(meta_model("llama"), weights=folder)
+    plain = _save(build(), tmp_path / "codes")  # float8 codes without a quantization_config
+    _edit_tensors(plain, lambda t: t.__setitem__("model.layers.0.mlp.up_proj.weight",
+                                                 t["model.layers.0.mlp.up_proj.weight"].to(torch.float8_e4m3fn)))
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.up_proj.weight is stored as torch.float8_e4m3fn; yashard "
+                                         r"loads float weights only"):
+        yashard.shard(meta_model("llama"), weights=plain)
+
+
+def test_another_architecture_is_refused(pg, tmp_path):
+    folder = _save(build("qwen2"), tmp_path / "qwen2")
+    with pytest.raises(ValueError, match=r"is a qwen2 checkpoint \(config.json model_type\) and the model is a llama"):
+        yashard.shard(meta_model("llama"), weights=folder)
+
+
+def test_a_tied_model_and_a_folder_with_its_own_lm_head(pg, tmp_path):
+    """transformers 5 keeps the two untied when they differ; yashard refuses rather than drop one,
+    and loads a folder whose two tensors are equal."""
+    folder = _save(build(), tmp_path / "untied")
+    with pytest.raises(ValueError, match=r"stores model.embed_tokens.weight and lm_head.weight with different values, "
+                                         r"but the model ties them"):
+        yashard.shard(meta_model("llama", tie_word_embeddings=True), weights=folder)
+    _edit_tensors(folder, lambda t: t.__setitem__("lm_head.weight", t["model.embed_tokens.weight"].clone()))
+    sm = yashard.shard(meta_model("llama", tie_word_embeddings=True), weights=folder)
+    assert torch.equal(sm.full_state_dict()["lm_head.weight"], load_file(f"{folder}/model.safetensors")["lm_head.weight"])
+
+
+def test_a_broken_index_names_the_file(pg, tmp_path):
+    folder = _save(build(), tmp_path / "sharded", max_shard_size="20KB")
+    with open(os.path.join(folder, "model.safetensors.index.json")) as f:
+        index = json.load(f)
+    files = sorted(set(index["weight_map"].values()))
+    name = "model.layers.1.self_attn.q_proj.weight"
+    right = index["weight_map"][name]
+    other = next(f for f in files if f != right)
+    index["weight_map"][name] = other
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f)
+    with pytest.raises(ValueError, match=rf"places {name} in {other}, which does not hold it"):
+        yashard.shard(meta_model("llama"), weights=folder)
+    index["weight_map"][name] = right
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f)
+    os.remove(os.path.join(folder, files[-1]))
+    with pytest.raises(FileNotFoundError, match=rf"lists {files[-1]}, which is not in the folder"):
+        yashard.shard(meta_model("llama"), weights=folder)
+
+
+def test_leftover_tensors_and_config_differences_are_logged(pg, tmp_path, caplog):
+    folder = _save(build(num_hidden_layers=6), tmp_path / "six")
+    with caplog.at_level(logging.WARNING, logger="yashard"):
+        sm = yashard.shard(meta_model("llama", rms_norm_eps=1e-2), weights=folder)
+    text = caplog.text
+    assert "18 tensor(s) in" in text and "model.layers.4.input_layernorm.weight" in text
+    assert "num_hidden_layers: 6 -> 4" in text and "rms_norm_eps: 1e-06 -> 0.01" in text
+    assert sm.full_state_dict()["model.layers.3.mlp.up_proj.weight"].shape == (64, 32)
+
+
+def test_a_low_precision_model_computes_in_its_dtype(pg, tmp_path, caplog):
+    ids = torch.randint(0, 96, (2, 8))
+    sm = yashard.shard(build().to(torch.bfloat16))
+    assert sm.runtime.config.param_dtype == torch.bfloat16 and sm.module.dtype == torch.bfloat16
+    assert sm(input_ids=ids).logits.dtype == torch.bfloat16
+    with caplog.at_level(logging.WARNING, logger="yashard"):
+        sm = yashard.shard(build().to(torch.bfloat16), config=yashard.ShardConfig(reshard_after_forward=False))
+    assert sm.runtime.config.param_dtype == torch.float32
+    assert "the model's parameters are torch.bfloat16 but ShardConfig.param_dtype is torch.float32" in caplog.text
+    folder = _save(build(), tmp_path / "fp32")
+    sm = yashard.from_pretrained(folder, dtype=torch.bfloat16)
+    assert sm.runtime.config.param_dtype == torch.bfloat16 and sm.runtime.units[0].master.dtype == torch.float32
+
+
+def test_tie_weights_is_a_no_op_and_resizing_is_refused(pg):
+    sm = yashard.shard(build(tie_word_embeddings=True))
+    ids = torch.randint(0, 96, (2, 8))
+    before = sm(input_ids=ids).logits
+    assert sm.module.tie_weights() is None
+    assert torch.equal(sm(input_ids=ids).logits, before)
+    with pytest.raises(ValueError, match=r"resize_token_embeddings on a yashard-sharded model.*resize the HF model "
+                                         r"before yashard.shard"):
+        sm.module.resize_token_embeddings(128)

@@ -123,3 +123,16 @@ def test_tie_weights_is_a_no_op_and_resizing_is_refused(pg):
     with pytest.raises(ValueError, match=r"resize_token_embeddings on a yashard-sharded model.*resize the HF model "
                                          r"before yashard.shard"):
         sm.module.resize_token_embeddings(128)
+
+
+def test_names_stored_under_another_layout_are_named(pg, tmp_path):
+    """A folder whose names transformers would convert on loading (Mixtral's experts, say) is
+    refused naming one stored name the model lacks, and what to do instead."""
+    folder = _save(build(), tmp_path / "renamed")
+    _edit_tensors(folder, lambda t: t.__setitem__("model.layers.0.mlp.w3.weight",
+                                                  t.pop("model.layers.0.mlp.up_proj.weight")))
+    with pytest.raises(ValueError, match=r"1 parameter\(s\) of the model are not in the folder "
+                                         r"\(model.layers.0.mlp.up_proj.weight\).* The folder stores names the model "
+                                         r"does not have \(e.g. model.layers.0.mlp.w3.weight\).*pass that model to "
+                                         r"yashard.shard"):
+        yashard.shard(meta_model("llama"), weights=folder)

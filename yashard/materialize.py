@@ -214,9 +214,18 @@ def from_folder(folder: HFFolder, groups, layouts, masters, rank: int) -> set[st
                          f"{', ...' if len(missing) > 4 else ''})")
         if wrong:
             parts.append(f"{len(wrong)} have other shapes ({'; '.join(wrong[:4])}{'; ...' if len(wrong) > 4 else ''})")
+        known = {n for members in groups.values() for _, _, fqns in members for n in fqns}
+        unknown = sorted(k for k in folder.weight_map if k not in known)
+        hint = ""
+        if missing and unknown:
+            hint = (f" The folder stores names the model does not have (e.g. {unknown[0]}): if transformers renames "
+                    "this checkpoint's weights when it loads them (Mixtral's experts, for one), yashard, which reads "
+                    "names as stored, cannot; load it with AutoModelForCausalLM.from_pretrained and pass that model "
+                    "to yashard.shard (rank 0's weights are broadcast).")
         raise ValueError(
             f"the weights in {folder.path} do not fit the model: {' and '.join(parts)}. Build the model from "
-            "the folder's own config.json (AutoConfig.from_pretrained(folder)) or use yashard.from_pretrained(folder)"
+            "the folder's own config.json (AutoConfig.from_pretrained(folder)) or use yashard.from_pretrained(folder)."
+            + hint
         )
     for key, index, name in plan:
         layout = layouts[key]

@@ -21,13 +21,16 @@ overlapping), memory peak, and host time in each labelled range. Definitions:
   wall      the active steps: ProfilerStep# ranges on the training thread.
   CUDA      comm = union of NCCL kernels; compute = union of all other kernels, memcpys and
             memsets (any stream); exposed = comm time with no compute kernel running.
-  CPU/gloo  gloo runs collectives on its own threads, so comm = union of the gloo:* ranges on
-            those threads (time a collective is in flight, waiting for peers included); compute =
+  CPU/gloo  comm = union of the gloo:* ranges on any thread: collectives on gloo's worker threads,
+            and the point-to-point sends and receives yashard's all-gathers are made of, on the
+            training thread (time a transfer is in flight, waiting for peers included); compute =
             the training thread's operators minus its time issuing collectives (c10d::*,
             yashard::*all_gather, yashard::*reduce_scatter) and waiting for them
             (yashard::wait_collective, with the post_divide inside a wait counted as compute);
             exposed = comm time during which the training thread runs no compute operator.
-  peak      largest "Total Allocated" in the trace's [memory] events for the device.
+  peak      largest "Total Allocated" in the trace's [memory] events for the device (CPU: counted
+            from the profiler's start, so memory allocated before it, the model's shards and
+            buffers and the optimizer state included, is not in it; CUDA: the allocator's total).
 
 recipes/trace_stats.py computes these from the exported trace files, so the table is what the
 traces show. Model and data options are those of recipes/pretrain.py plus --model (an HF
@@ -57,12 +60,12 @@ class ProfileConfig(TrainConfig):
     wait: int = field(default=1, metadata={"help": "steps run before the profiler starts"})
     warmup: int = field(default=2, metadata={"help": "steps profiled but discarded (profiler warm-up)"})
     active: int = field(default=3, metadata={"help": "steps recorded in the traces"})
-    save_every: int = field(default=0, metadata={"help": "sharded checkpoint every N steps (default 0: none, so saves stay out of the trace)"})
+    save_every: int = field(default=0, metadata={"help": "0 (the only value: a save would land in a profiled step)"})
     profile_memory: bool = field(default=True, metadata={"help": "record allocations (memory peak, Perfetto memory counters)"})
     record_shapes: bool = field(default=False, metadata={"help": "record operator input shapes"})
     with_stack: bool = field(default=False, metadata={"help": "record Python stacks (large traces)"})
     steps: int | None = field(default=None, metadata={"help": "optimizer steps (default and only value: wait + warmup + active)"})
-    eval_every: int = field(default=0, metadata={"help": "eval every N steps (<= 0: only at the end, after profiling)"})
+    eval_every: int = field(default=0, metadata={"help": "0 (the only value: the evaluation runs at the end, after profiling)"})
     out_dir: str = field(default="runs/profile", metadata={"help": "where traces, summary and log go"})
 
     def __post_init__(self) -> None:
@@ -73,6 +76,13 @@ class ProfileConfig(TrainConfig):
         if self.wait < 0 or self.warmup < 0 or self.active < 1:
             raise ValueError(f"--wait {self.wait} --warmup {self.warmup} --active {self.active}: "
                              "wait and warmup must be >= 0 and active >= 1")
+        for flag, value, why in (
+                ("--save-every", self.save_every, "a checkpoint save"), ("--eval-every", self.eval_every, "an evaluation"),
+                ("--stop-at", self.stop_at, "stopping early"), ("--resume", self.resume, "resuming")):
+            if value not in (0, None, False):
+                raise ValueError(f"{flag} {value}: {why} would fall inside the profiled steps or cut them short "
+                                 "(a ProfilerStep range holds everything up to the next step); profile a fresh run "
+                                 f"without {flag}")
         if self.steps != self.wait + self.warmup + self.active:
             raise ValueError(f"--steps {self.steps} does not match --wait {self.wait} + --warmup {self.warmup} "
                              f"+ --active {self.active} = {self.wait + self.warmup + self.active}: "

@@ -75,6 +75,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     worlds = [int(w) for w in args.worlds.split(",")]
     for w in worlds + [args.reference_world]:
+        if w < 1:
+            p.error(f"world size {w} in --worlds {args.worlds} / --reference-world {args.reference_world}: every "
+                    "world size must be >= 1")
         if args.global_batch % w:
             p.error(f"--global-batch {args.global_batch} is not divisible by world size {w}")
     if args.steps < len(worlds):

@@ -11,9 +11,12 @@ On CUDA (the trace holds GPU kernels):
   compute        union of every other GPU kernel, memcpy and memset interval, any stream.
   exposed comm   communication minus compute: time an NCCL kernel runs while no compute kernel does.
 
-On CPU with gloo (no kernels; gloo runs each collective on its own worker threads):
-  communication  union of the ``gloo:*`` ranges on gloo's threads: the time a collective is in
-                 flight, including the time it waits for the slowest rank to join.
+On CPU with gloo (no kernels):
+  communication  union of the ``gloo:*`` ranges on any thread: collectives run on gloo's worker
+                 threads, and the point-to-point sends and receives yashard's all-gathers (and
+                 two-rank reduce-scatters) are made of are ranges on the training thread that last
+                 until the message has gone; either way the time a transfer is in flight, including
+                 the time it waits for the slowest rank.
   compute        union of the training thread's operator ranges (``cpu_op``), minus the time that
                  thread spends in communication: inside ``c10d::*`` ops (issuing a collective) and
                  in the runtime's issue/wait labels (``yashard::all_gather``, ``yashard::reduce_scatter``
@@ -24,8 +27,9 @@ On CPU with gloo (no kernels; gloo runs each collective on its own worker thread
 
 Both: ``0 <= exposed <= communication <= wall`` and ``compute + exposed <= wall``, by construction.
 Memory peak: the largest "Total Allocated" of the trace's ``[memory]`` events for the device
-(CUDA: the caching allocator's allocated bytes; CPU: bytes held by the CPU allocator), which the
-profiler records when ``profile_memory=True``.
+(CUDA: the caching allocator's allocated bytes; CPU: bytes the CPU allocator handed out since the
+profiler started, so memory allocated before it is not counted), which the profiler records when
+``profile_memory=True``.
 """
 
 from __future__ import annotations
@@ -143,7 +147,7 @@ def summarize_trace(trace: dict) -> dict:
         compute = intersect([_span(e) for e in gpu if "nccl" not in e["name"].lower()], window)
     else:
         basis = "cpu"
-        comm = intersect([_span(e) for e in events if not on_main(e) and e["name"].startswith("gloo:")], window)
+        comm = intersect([_span(e) for e in events if e["name"].startswith("gloo:")], window)
         ops = [e for e in events if on_main(e) and e.get("cat") == "cpu_op"]
         host_comm = subtract(
             [_span(e) for e in ops if e["name"].startswith("c10d::")]
@@ -196,9 +200,10 @@ FOOTNOTES = {
         "compute: union of the training thread's operators, minus its time issuing collectives",
         "  (c10d::*, yashard::*all_gather, yashard::*reduce_scatter) and waiting for them",
         "  (yashard::wait_collective; the yashard::post_divide inside a wait counts as compute).",
-        "comm: union of gloo:* collectives on gloo's worker threads (in flight, peer waits included).",
+        "comm: union of gloo:* ranges, on gloo's threads and the training thread's sends/receives (in flight, peer waits included).",
         "exposed: comm time during which the training thread runs no compute operator.",
-        "peak: largest 'Total Allocated' of the trace's CPU [memory] events (CPU allocator).",
+        "peak: largest 'Total Allocated' of the trace's CPU [memory] events (CPU allocator, counted from the "
+        "profiler's start: memory held before it is not in it).",
     ],
 }
 

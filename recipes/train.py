@@ -76,7 +76,7 @@ class TrainConfig:
     eval_batches: int = field(default=4, metadata={"help": "held-out batches (micro_batch per rank) per eval"})
     seed: int = field(default=0, metadata={"help": "seed for model init and batch sampling"})
     out_dir: str = field(default="runs/train", metadata={"help": "where logs, plot and checkpoint go"})
-    log_every: int = field(default=1, metadata={"help": "write a log line / refresh the bar every N steps"})
+    log_every: int = field(default=1, metadata={"help": "write a log line / refresh the bar every N steps (>= 1)"})
     save_every: int = field(default=10, metadata={"help": "sharded checkpoint (for --resume) every N steps and at the end (<= 0: only at --stop-at)"})
     resume: bool = field(default=False, metadata={"help": "continue from the sharded checkpoint in out_dir/checkpoint, at any world size"})
     stop_at: int | None = field(default=None, metadata={"help": "stop after this step (saving a checkpoint), e.g. to split a run over job allocations; --resume continues"})
@@ -121,6 +121,8 @@ def _value_problem(cfg: TrainConfig) -> str | None:
                 "rate from --lr to --min-lr-ratio x --lr (0: down to zero, 1: constant after warmup)")
     if bad(cfg.weight_decay, cfg.weight_decay >= 0):
         return f"--weight-decay {cfg.weight_decay} must be a number >= 0 (0: no weight decay)"
+    if cfg.log_every < 1:
+        return f"--log-every {cfg.log_every} must be >= 1: a log line (and progress-bar refresh) every N steps"
     if cfg.eval_batches < 1:
         return (f"--eval-batches {cfg.eval_batches} must be >= 1: every run ends with an evaluation on that many "
                 "held-out batches (--eval-every <= 0 leaves out only the evaluations before the end)")
@@ -563,7 +565,8 @@ def train_loop(s: Session, profiler=None) -> list[dict]:
     Each stage of a step runs under a ``record_function`` label (``yashard::data``, ``forward``,
     ``backward``, ``clip_grad_norm``, ``optimizer_step``, ``loss_all_reduce``); ``profiler.step()``
     is called right after the step's work, so a ProfilerStep range holds one training step and
-    no evaluation. Rank 0 appends each logged record to ``out_dir/log.jsonl``.
+    whatever runs before the next one: evaluations and checkpoint saves, which recipes/profiling.py
+    therefore refuses. Rank 0 appends each logged record to ``out_dir/log.jsonl``.
     """
     cfg, device = s.cfg, s.device
     max_norm = cfg.clip if cfg.clip > 0 else math.inf
@@ -682,6 +685,13 @@ def _truncate_log(path: Path, step: int) -> None:
         path.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
 
+def throughput(history: list[dict]) -> float:
+    """Tokens per second over the run's steps but the first (one-off warm-up costs): all tokens over
+    all seconds, i.e. the harmonic mean of the per-step rates (every step has as many tokens)."""
+    steady = history[1:] or history
+    return len(steady) / sum(1 / h["tokens_per_s"] for h in steady)
+
+
 def write_outputs(s: Session, history: list[dict], *, save_final: bool = True, plot: bool = True) -> dict:
     """final/ (collective: the HF export gathers one unit at a time), loss.png, the summary line.
 
@@ -701,11 +711,10 @@ def write_outputs(s: Session, history: list[dict], *, save_final: bool = True, p
         written.append(s.out_dir / "checkpoint")
     if plot and save_plot(read_log(s.out_dir / "log.jsonl"), s.out_dir / "loss.png"):
         written.append(s.out_dir / "loss.png")
-    steady = history[1:] or history  # the first step includes one-off warm-up costs
     summary = {
         "first_loss": history[0]["loss"], "last_loss": history[-1]["loss"],
         "eval_loss": history[-1].get("eval_loss"),
-        "tokens_per_s": sum(h["tokens_per_s"] for h in steady) / len(steady),
+        "tokens_per_s": throughput(history),
         "memory_mb": memory_mb(s.device), "train_seconds": history[-1]["elapsed"],
     }
     print(f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}, held-out loss "

@@ -106,3 +106,15 @@ def test_one_rank_reduce_output_only_for_a_hook_that_asks(pg):
     ref(input_ids=ids, labels=ids).loss.backward()
     for k, g in ref.full_grads().items():
         assert torch.equal(got[k], g.bfloat16().float()), k
+
+
+@pytest.mark.parametrize("kw, said", [({"quantized_weights": 8}, "qwZ (quantized_weights) quantizes the weights for "
+                                                                  "nothing"),
+                                      ({"secondary_group_size": 1}, "hpZ (secondary_group_size) keeps a copy of every "
+                                                                    "layer for nothing")])
+def test_zeropp_weight_options_at_one_rank_are_warned(pg, caplog, kw, said):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="yashard"):
+        yashard.shard(build(), config=yashard.ShardConfig(**kw))
+    assert "over a one-rank shard group nothing is gathered, yet " + said in caplog.text

@@ -206,6 +206,14 @@ def test_pretrain_without_resharding_follows_the_default_run(pretrain_run, tmp_p
         assert a == pytest.approx(b, rel=1e-4), (key, a, b)
 
 
+def test_soak_refuses_a_world_of_zero(tmp_path, capsys):
+    import soak
+
+    with pytest.raises(SystemExit):
+        soak.main(["--worlds", "2,0", "--out-dir", str(tmp_path)])
+    assert "world size 0 in --worlds 2,0 / --reference-world 2: every world size must be >= 1" in capsys.readouterr().err
+
+
 def test_soak_short(tmp_path, capsys):
     """recipes/soak.py in brief: a 12-step run cut into segments at world 1 then 2 (resuming from
     sharded checkpoints) matches the same run done in one go at world 2."""
@@ -336,16 +344,17 @@ def test_summarize_cpu_trace_by_hand():
         _x("gloo:all_gather", 42, 28, tid=2, cat="user_annotation"),
         _x("aten::copy_", 42, 3, tid=2),  # gloo thread work is communication, not compute
         _x("gloo:all_reduce", 150, 110, tid=2, cat="user_annotation"),  # runs past the window
+        _x("gloo:recv", 86, 12, cat="user_annotation"),  # a point-to-point receive, on the training thread
         _mem(1 * 2**20, 0), _mem(3 * 2**20, 0), _mem(2 * 2**20, 0), _mem(50 * 2**20, 1),
     ]
     s = ts.summarize_trace({"traceEvents": events})
     # compute: [0,39) + [50,60) + [70,75) + [80,90) + [110,160) = 39 + 10 + 5 + 10 + 50
-    # comm: [42,70) + [150,200); exposed: [42,50) + [60,70) + [160,200)
+    # comm: [42,70) + [86,98) + [150,200); exposed: [42,50) + [60,70) + [90,98) + [160,200)
     assert s["basis"] == "cpu" and s["steps"] == 2
     assert s["wall_ms"] == pytest.approx(0.100)
     assert s["compute_ms"] == pytest.approx(114 / 2 / 1e3)
-    assert s["comm_ms"] == pytest.approx(78 / 2 / 1e3)
-    assert s["exposed_comm_ms"] == pytest.approx(58 / 2 / 1e3)
+    assert s["comm_ms"] == pytest.approx(90 / 2 / 1e3)
+    assert s["exposed_comm_ms"] == pytest.approx(66 / 2 / 1e3)
     assert s["memory_peak_mb"] == pytest.approx(3.0)
     assert s["stages_ms"]["yashard::wait_collective"] == pytest.approx(20 / 2 / 1e3)
     assert s["stages_ms"]["yashard::forward"] == 0.0
@@ -404,6 +413,11 @@ def test_recipe_configs_from_command_line():
     assert profiling.parse_config(["--active", "2", "--steps", "5"]).steps == 5
 
 
+def test_run_throughput_is_tokens_over_seconds():
+    # equal tokens per step: steps at 100 and 300 tokens/s take 3 and 1 time units: 150 tokens/s, not 200
+    assert train.throughput([{"tokens_per_s": 1.0}, {"tokens_per_s": 100.0}, {"tokens_per_s": 300.0}]) == 150.0
+
+
 @pytest.mark.parametrize("module, argv, message", [
     (pretrain, ["--config", "c.json", "--model-size", "tiny"],
      "--config c.json and --model-size tiny each choose the model: pass only one of them"),
@@ -421,6 +435,11 @@ def test_recipe_configs_from_command_line():
     (pretrain, ["--max-bytes", "0"], "--max-bytes 0 must be >= 1"),
     (finetune, ["--eval-fraction", "0"], "--eval-fraction 0.0 must be between 0 and 1 (both excluded)"),
     (pretrain, ["--eval-fraction", "1"], "--eval-fraction 1.0 must be between 0 and 1 (both excluded)"),
+    (finetune, ["--log-every", "0"], "--log-every 0 must be >= 1"),
+    (profiling, ["--save-every", "2"], "--save-every 2: a checkpoint save would fall inside the profiled steps"),
+    (profiling, ["--eval-every", "1"], "--eval-every 1: an evaluation would fall inside the profiled steps"),
+    (profiling, ["--stop-at", "2"], "--stop-at 2: stopping early would fall inside the profiled steps or cut them"),
+    (profiling, ["--resume", "true"], "--resume True: resuming would fall inside the profiled steps or cut them"),
 ])
 def test_bad_command_lines_exit_with_the_reason(module, argv, message, capsys):
     with pytest.raises(SystemExit):

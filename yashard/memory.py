@@ -92,6 +92,6 @@ def plan_memory(rt: "Runtime") -> MemoryPlan:
                               "allocated by the comm hook at its first call"))
     formula = (
         f"sum over slots S*({g if rt.direct else f'{p}+{g}'}){f' + max S/W*{g}' if out else ''} + N/W*(8{'+' + str(p) if cfg.param_dtype != torch.float32 else ''})"
-        + extra + (" + qwZ codes" if cfg.quantized_weights else "")
+        + extra + (" + qwZ codes" if cfg.quantized_weights else "") + (" + comm hook scratch" if rt._workspaces else "")
     )
     return MemoryPlan(tuple(rows), w, adamw_bytes=8 * n, formula=formula)

@@ -86,6 +86,11 @@ class Runtime:
         self._hooks = []
 
         self._validate(model, spec)
+        if self.world == 1 and (config.quantized_weights or config.secondary_group_size) and comm.rank == 0:
+            logger.warning("yashard: over a one-rank shard group nothing is gathered, yet %s: drop it",
+                           "qwZ (quantized_weights) quantizes the weights for nothing, losing precision"
+                           if config.quantized_weights else
+                           "hpZ (secondary_group_size) keeps a copy of every layer for nothing")
         groups = self._partition(model, spec)
         self._build_units(groups)
         self._install_hooks(spec)

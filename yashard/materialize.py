@@ -163,10 +163,10 @@ def check_folder_config(folder: HFFolder, model: nn.Module, warn: bool = True) -
             "names can mean other computations (Gemma's norms scale by 1 + w). Build the model from the folder's "
             "config: yashard.from_pretrained(folder)"
         )
-    from .checkpoint import _config_dict, config_diff
-
     if not warn:
         return
+    from .checkpoint import _config_dict, config_diff
+
     try:  # config.json leaves defaults out: compare whole configs
         from transformers import AutoConfig
 

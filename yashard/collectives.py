@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import pickle
+import threading
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -67,20 +68,19 @@ def wait_timeout(device_type: str, timeout: float | None, host: bool) -> float |
 
 def _wait(work, timeout: float | None):
     """``work.wait()``, bounded by ``timeout`` seconds: c10d work handles take a timedelta,
-    :class:`WorkFuture` and :class:`_Works` take seconds, a ``torch.futures.Future`` is polled."""
+    :class:`WorkFuture` and :class:`_Works` take seconds, a ``torch.futures.Future`` is waited for
+    through a done-callback (it has no timed wait)."""
     if timeout is None:
         return work.wait()
     if isinstance(work, dist.Work):
         return work.wait(timeout=datetime.timedelta(seconds=timeout))
     if isinstance(work, (WorkFuture, _Works)):
         return work.wait(timeout=timeout)
-    if callable(getattr(work, "done", None)):  # a torch.futures.Future (a comm hook's): poll it
-        deadline, pause = time.monotonic() + timeout, 1e-4
-        while not work.done():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"not done within {timeout}s")
-            time.sleep(pause)
-            pause = min(2 * pause, 1e-2)
+    if callable(getattr(work, "add_done_callback", None)):  # a torch.futures.Future (a comm hook's)
+        landed = threading.Event()
+        work.add_done_callback(lambda _: landed.set())  # (runs at once if it is done already)
+        if not landed.wait(timeout):
+            raise TimeoutError(f"not done within {timeout}s")
     return work.wait()
 
 

@@ -1115,16 +1115,24 @@ def _checkpointed_forward(inner, *args, **kwargs):
 
     The hooks (gather, gate, views) run once outside the checkpointed region; the recompute in
     backward re-reads the same parameter views, whose slot was re-gathered by the layer's
-    ``BackwardEntry`` before any of its backward ops run. A KV cache is not updated under
-    recompute (it would be filled twice).
+    ``BackwardEntry`` before any of its backward ops run. A KV cache is not passed in (the
+    recompute would write it a second time), whatever transformers calls it, unless the layer
+    declares it only reads the cache (``_can_checkpoint_with_cache``, transformers >= 5.24).
     """
     if not torch.is_grad_enabled():
         return inner(*args, **kwargs)
-    if "past_key_values" in kwargs:
-        kwargs["past_key_values"] = None
-    if "use_cache" in kwargs:
+    if kwargs.get("use_cache"):
         kwargs["use_cache"] = False
+    if not getattr(getattr(inner, "__self__", None), "_can_checkpoint_with_cache", False):
+        for name in _CACHE_KWARGS:
+            if kwargs.get(name) is not None:
+                kwargs[name] = None
     return torch.utils.checkpoint.checkpoint(inner, *args, use_reentrant=False, **kwargs)
+
+
+# What a decoder layer's KV-cache argument is called: ``past_key_values`` (transformers 4.57-5.23),
+# ``past_key_value`` (older 4.x layers), ``cache`` (5.24 and later), ``layer_past`` (GPT-style).
+_CACHE_KWARGS = ("past_key_values", "past_key_value", "cache", "layer_past")
 
 
 class _What:

@@ -1,0 +1,69 @@
+"""Activation checkpointing of decoder layers (``ShardConfig.checkpoint_layers``) and the KV cache.
+
+transformers builds a cache whenever ``use_cache`` is on, training included, and hands it to each
+layer under a name that changed across releases (``past_key_values`` up to 5.23, ``cache`` from
+5.24). A checkpointed layer that receives it appends its keys and values once in the forward and
+again in the recompute, and its attention then sees twice the sequence. So the layer is never
+given a cache to write, whatever it is called; a layer that declares it only reads one
+(``_can_checkpoint_with_cache``) keeps it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import yashard
+from yashard.runtime import _CACHE_KWARGS, _checkpointed_forward
+from models import batches, build
+
+
+class _Recorder(nn.Module):
+    def __init__(self, reads_only: bool = False):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self._can_checkpoint_with_cache = reads_only
+        self.calls: list[dict] = []
+
+    def forward(self, x, **kwargs):
+        self.calls.append(dict(kwargs))
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("name", _CACHE_KWARGS)
+def test_a_checkpointed_layer_is_given_no_cache_under_any_name(name):
+    layer, cache = _Recorder(), object()
+    x = torch.randn(2, 4, requires_grad=True)
+    _checkpointed_forward(layer.forward, x, **{name: cache, "use_cache": True, "position_ids": 3}).sum().backward()
+    # the forward and the recompute both ran without the cache, with the other arguments as given
+    assert len(layer.calls) == 2
+    assert all(c == {name: None, "use_cache": False, "position_ids": 3} for c in layer.calls)
+    assert layer.lin.weight.grad is not None
+
+
+def test_a_layer_that_only_reads_the_cache_keeps_it_and_no_grad_runs_as_is():
+    reader, cache = _Recorder(reads_only=True), object()
+    x = torch.randn(2, 4, requires_grad=True)
+    _checkpointed_forward(reader.forward, x, cache=cache, use_cache=True).sum().backward()
+    assert [c["cache"] for c in reader.calls] == [cache, cache]
+    layer = _Recorder()
+    with torch.no_grad():  # generation: no recompute, so the cache is used as usual
+        _checkpointed_forward(layer.forward, x, cache=cache, use_cache=True)
+    assert layer.calls == [{"cache": cache, "use_cache": True}]
+
+
+@pytest.mark.parametrize("use_cache", [None, True])
+def test_checkpointed_layers_with_the_cache_on_match_the_unsharded_model(pg, use_cache):
+    """The model's config has ``use_cache=True`` (HF's default): the run must equal the plain model."""
+    ids = batches(1, 2, 16, 96)[0]
+    kw = {} if use_cache is None else {"use_cache": use_cache}
+    ref = build(num_hidden_layers=4)
+    assert ref.config.use_cache
+    ref(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    sm = yashard.shard(build(num_hidden_layers=4), config=yashard.ShardConfig(checkpoint_layers=4))
+    loss = sm(input_ids=ids, labels=ids, **kw).loss
+    loss.backward()
+    grads = sm.full_grads()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6, msg=name)

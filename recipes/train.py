@@ -91,7 +91,7 @@ class TrainConfig:
             raise ValueError(f"{' and '.join(chosen)} each choose the model: pass only one of them")
         if self.stop_at is not None and not 1 <= self.stop_at <= self.steps:
             raise ValueError(f"--stop-at {self.stop_at} must be between 1 and --steps {self.steps}")
-        problem = _value_problem(self)
+        problem = _value_problem(self) or _checkpoint_layers_problem(self)
         if problem:
             raise ValueError(problem)
         if self.data is not None:
@@ -132,6 +132,40 @@ def _value_problem(cfg: TrainConfig) -> str | None:
     if bad(cfg.eval_fraction, 0 < cfg.eval_fraction < 1):
         return (f"--eval-fraction {cfg.eval_fraction} must be between 0 and 1 (both excluded): the fraction of the "
                 "data held out for evaluation, e.g. 0.05")
+    return None
+
+
+def _layer_count(cfg: TrainConfig) -> tuple[int, str] | None:
+    """The chosen model's number of decoder layers and where it comes from, read from its
+    config.json or preset before anything is built; None when that cannot be told here (the
+    loaders say what is wrong with a folder)."""
+    for flag in ("model", "config"):
+        path = getattr(cfg, flag, None)
+        if path is None:
+            continue
+        p = Path(path)
+        file = p if p.is_file() else p / "config.json"
+        try:
+            layers = json.loads(file.read_text(encoding="utf-8")).get("num_hidden_layers")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return (layers, f"--{flag} {path}") if isinstance(layers, int) else None
+    size = getattr(cfg, "model_size", None) or "tiny"
+    if size not in MODEL_SIZES:
+        return None
+    return MODEL_SIZES[size]["num_hidden_layers"], f"the {size} preset"
+
+
+def _checkpoint_layers_problem(cfg: TrainConfig) -> str | None:
+    """Why ``--checkpoint-layers`` cannot apply to the chosen model, with the fix; None if it can."""
+    n = cfg.checkpoint_layers
+    if n < 0:
+        return f"--checkpoint-layers {n} must be >= 0: the number of decoder layers, from the first, to recompute"
+    found = _layer_count(cfg) if n else None
+    if found is not None and n > found[0]:
+        layers, source = found
+        return (f"--checkpoint-layers {n} but {source} has {layers} decoder layers: pass at most {layers} "
+                f"(--checkpoint-layers {layers} recomputes every layer)")
     return None
 
 

@@ -185,3 +185,31 @@ def test_finetune_config_from_command_line():
     assert finetune.parse_config([]) == finetune.FinetuneConfig()
     with pytest.raises(SystemExit):
         finetune.parse_config(["--param-dtype", "fp8"])
+
+
+def test_checkpoint_layers_beyond_the_model_are_refused_before_the_run(tmp_path, capsys):
+    """--checkpoint-layers is checked against the chosen model's config when the command line is
+    parsed, before the data is read or anything is built."""
+    import finetune
+    import pretrain
+
+    with pytest.raises(SystemExit):
+        pretrain.parse_config(["--checkpoint-layers", "5"])  # the tiny preset has 4 layers
+    assert "--checkpoint-layers 5 but the tiny preset has 4 decoder layers: pass at most 4" in capsys.readouterr().err
+    assert pretrain.parse_config(["--checkpoint-layers", "4"]).checkpoint_layers == 4
+    with pytest.raises(SystemExit):
+        pretrain.parse_config(["--model-size", "small", "--checkpoint-layers", "9"])
+    assert "the small preset has 8 decoder layers" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        pretrain.parse_config(["--checkpoint-layers", "-1"])
+    assert "--checkpoint-layers -1 must be >= 0" in capsys.readouterr().err
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2}))
+    with pytest.raises(SystemExit):
+        finetune.parse_config(["--model", str(folder), "--checkpoint-layers", "3"])
+    assert f"--checkpoint-layers 3 but --model {folder} has 2 decoder layers: pass at most 2" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        pretrain.parse_config(["--config", str(folder / "config.json"), "--checkpoint-layers", "3"])
+    assert "has 2 decoder layers" in capsys.readouterr().err
+    assert finetune.parse_config(["--model", str(folder), "--checkpoint-layers", "2"]).checkpoint_layers == 2

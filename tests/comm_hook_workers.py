@@ -301,3 +301,52 @@ def mixed_hook_buffers(rank: int, world: int) -> list:
         seen.append(({k: t.data_ptr() for k, t in held.items()},
                      sm.memory_plan().total_bytes == sum(t.numel() * t.element_size() for t in held.values())))
     return seen
+
+
+def _underplanned_hook(state, bucket):
+    """The default hook, plus a scratch buffer its (empty) workspace_plan does not mention."""
+    bucket.workspace("unplanned", 8, torch.float32).zero_()
+    return comm_hooks.reduce_scatter_hook(state, bucket)
+
+
+_underplanned_hook.workspace_plan = lambda state, comm, numel, dtype: []
+
+
+def planned_hook_memory(rank: int, world: int) -> dict:
+    """Per hook: the memory plan's total right after ``register_comm_hook``, after two training
+    steps, and the bytes the runtime then holds; the names of its rows; what was logged."""
+    import logging
+
+    import yashard
+    from models import batches, build
+
+    class Grab(logging.Handler):
+        def emit(self, record):
+            said.append(record.getMessage())
+
+    said: list[str] = []
+    handler = Grab(level=logging.WARNING)
+    logging.getLogger("yashard").addHandler(handler)
+    hooks = {"default": None, "bf16_compress": comm_hooks.bf16_compress_hook,
+             "fp16_compress": comm_hooks.fp16_compress_hook, "noop": comm_hooks.noop_hook,
+             "qgz": comm_hooks.qgz_hook, "no_plan": layers_bf16_hook, "underplanned": _underplanned_hook}
+    out = {}
+    for name, hook in hooks.items():
+        said.clear()
+        sm = yashard.shard(build(hidden_size=64, intermediate_size=256))
+        if hook is not None:
+            state = comm_hooks.QgzState(sm, ranks_per_node=1, block=64) if name == "qgz" else None
+            sm.register_comm_hook(state, hook)
+        before = sm.memory_plan()
+        opt = torch.optim.AdamW(sm.parameters(), lr=1e-3)
+        for ids in batches(2, 2 * world, 8, 96):
+            ids = ids.chunk(world)[rank]
+            sm(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        held = sm.runtime.allocated_tensors()
+        out[name] = dict(before=before.total_bytes, after=sm.memory_plan().total_bytes,
+                         held=sum(t.numel() * t.element_size() for t in held.values()),
+                         rows=[r.name for r in before.rows], warnings=list(said))
+    logging.getLogger("yashard").removeHandler(handler)
+    return out

@@ -512,3 +512,31 @@ def test_qgz_int8_default_blocks_keep_small_gradients():
     assert max(default.values()) < 0.1, sorted(default.items(), key=lambda kv: -kv[1])[:3]
     wide = run_distributed(qgz_tensor_errors, 4, 8, 4096)[0]
     assert max(wide.values()) > 0.5, sorted(wide.items(), key=lambda kv: -kv[1])[:3]  # what the default avoids
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_built_in_hooks_plan_their_scratch_before_step_one(world):
+    """A hook's workspace_plan is allocated at register_comm_hook: the plan printed before step one
+    is what every built-in hook holds after training (gloo at 3 ranks: the reduce-scatter's receive
+    buffers, in the 16-bit dtype for the compression hooks; one rank: the output the compression
+    hooks write). A hook without a plan gets its scratch at its first call; one that asks for more
+    than it planned gets it with a warning."""
+    from comm_hook_workers import planned_hook_memory
+
+    for res in run_distributed(planned_hook_memory, world):
+        for name, r in res.items():
+            assert r["after"] == r["held"], name
+            if name not in ("no_plan", "underplanned"):
+                assert r["before"] == r["after"], (name, r)
+            if name != "underplanned":
+                assert not r["warnings"], (name, r["warnings"])
+        for name in ("bf16_compress", "fp16_compress"):
+            tag = name.split("_")[0].replace("bf16", "bfloat16").replace("fp16", "float16")
+            assert f"comm hook {tag}_compress.in" in res[name]["rows"] and "reduce-scatter out" in res[name]["rows"]
+            assert ((f"comm hook reduce_scatter" in res[name]["rows"]) == (world == 3)), res[name]["rows"]
+        assert ("comm hook qgz" in res["qgz"]["rows"]) == (world > 1)
+        assert ("comm hook reduce_scatter" in res["default"]["rows"]) == (world == 3)
+        assert res["no_plan"]["after"] > res["no_plan"]["before"]  # its bf16 copies came at the first backward
+        assert res["underplanned"]["after"] >= res["underplanned"]["before"] + 32
+        assert "workspace 'unplanned' of 8 torch.float32, more than its workspace_plan said" in \
+            " ".join(res["underplanned"]["warnings"])

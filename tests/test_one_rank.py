@@ -86,21 +86,24 @@ def test_one_rank_in_place_write_through_a_module_is_refused(pg, dtype):
 
 
 def test_one_rank_reduce_output_only_for_a_hook_that_asks(pg):
-    """The reduce-scatter output exists at one rank once a hook calls ``bucket.output()``; the plan
-    lists it from then on, and the result is the default hook's (fp32 through bf16: bf16 rounding)."""
+    """The reduce-scatter output exists at one rank only for a hook that writes ``bucket.output()``
+    (its workspace_plan says so: it is allocated at register_comm_hook, and listed by the plan from
+    then on), and the result is the default hook's (fp32 through bf16: bf16 rounding)."""
     from yashard.comm_hooks import bf16_compress_hook
 
     sm = yashard.shard(build())
+    assert "reduce-scatter out" not in {r.name for r in sm.memory_plan().rows}
+    assert sm.runtime.reduce_out is None
     sm.register_comm_hook(None, bf16_compress_hook)
     plan = sm.memory_plan()
-    assert "reduce-scatter out" not in {r.name for r in plan.rows}
+    assert "reduce-scatter out" in {r.name for r in plan.rows}
     ids = batches(1, 2, 8, sm.module.config.vocab_size)[0]
     sm(input_ids=ids, labels=ids).loss.backward()
     allocated = sm.runtime.allocated_tensors()
-    assert "reduce_out" in allocated
     rows = {r.name: r for r in sm.memory_plan().rows}
     assert rows["reduce-scatter out"].bytes == allocated["reduce_out"].numel() * 4
-    assert sm.memory_plan().total_bytes == sum(t.numel() * t.element_size() for t in allocated.values())
+    assert sm.memory_plan() == plan  # nothing more was allocated by the backward
+    assert plan.total_bytes == sum(t.numel() * t.element_size() for t in allocated.values())
     got = sm.full_grads()
     ref = yashard.shard(build())
     ref(input_ids=ids, labels=ids).loss.backward()

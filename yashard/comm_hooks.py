@@ -16,8 +16,16 @@ divides, and the same hook works with and without hybrid sharding or accumulatio
 fill and return, so the default path allocates nothing. (Over a one-rank shard group, where the
 default hook returns the buffer itself, it is allocated at the first call of ``output()``, once.) Hooks that need other buffers (the
 compression hooks' low-precision copies) ask ``bucket.workspace(name, numel, dtype)``: a buffer the
-runtime keeps across steps, grown to the largest request, so memory is still fixed after the first
-backward (these buffers are listed by ``memory_plan`` once allocated).
+runtime keeps across steps, grown to the largest request, so memory is fixed after the first
+backward.
+
+Memory known before step one: a hook that has a ``workspace_plan`` attribute,
+``workspace_plan(state, comm, numel, dtype) -> [(name, numel, dtype), ...]``, says what it will ask
+for on a bucket of ``numel`` elements of ``dtype`` (the name ``"output"`` standing for
+``bucket.output()``). ``register_comm_hook`` allocates that for every unit at once, so
+``memory_plan()`` lists it from then on and the first backward allocates nothing. Every built-in has
+one; a hook without one gets its buffers at its first call (listed by ``memory_plan`` from then on),
+and a hook that asks for more than it planned gets it too, with a warning.
 
 Streams (CUDA): the hook runs with the communication stream current, and the runtime consumes the
 value on that stream. A :class:`WorkFuture`'s ``then`` callbacks run there too. A
@@ -117,6 +125,16 @@ def reduce_scatter_hook(state: Any, bucket: GradBucket) -> WorkFuture | torch.fu
                                       scratch=_scratch(bucket, bucket.buffer().dtype))
 
 
+def _reduce_scatter_plan(state: Any, comm: "Comm", numel: int, dtype: torch.dtype) -> list[tuple[str, int, torch.dtype]]:
+    """What :func:`reduce_scatter_hook` asks for: the receive buffer of :func:`_scratch` only."""
+    if comm.shard_world > 1 and comm.reduce_scatter_needs_scratch():
+        return [("reduce_scatter", numel, dtype)]
+    return []
+
+
+reduce_scatter_hook.workspace_plan = _reduce_scatter_plan
+
+
 def _scratch(bucket: GradBucket, dtype: torch.dtype) -> torch.Tensor | None:
     """The receive buffer ``Comm.reduce_scatter`` needs on this backend (gloo, > 2 ranks), one for
     every bucket: a reduction starts only after the previous one finished (rule R6)."""
@@ -134,6 +152,9 @@ def noop_hook(state: Any, bucket: GradBucket) -> torch.futures.Future:
     return _done(bucket.buffer().narrow(0, rank * n, n))
 
 
+noop_hook.workspace_plan = lambda state, comm, numel, dtype: []
+
+
 def _compress_hook(dtype: torch.dtype):
     def hook(state: Any, bucket: GradBucket) -> WorkFuture:
         buf, out = bucket.buffer(), bucket.output()
@@ -147,6 +168,14 @@ def _compress_hook(dtype: torch.dtype):
         reduced = bucket.comm.reduce_scatter(low_out, low, bucket.name, scratch=_scratch(bucket, dtype))
         return reduced.then(lambda f: out.copy_(f.value()))
 
+    def plan(state: Any, comm: "Comm", numel: int, buf_dtype: torch.dtype) -> list[tuple[str, int, torch.dtype]]:
+        if buf_dtype == dtype:
+            return _reduce_scatter_plan(state, comm, numel, buf_dtype)
+        tag = str(dtype).replace("torch.", "")
+        return [("output", numel // comm.shard_world, buf_dtype), (f"{tag}_compress.in", numel, dtype),
+                (f"{tag}_compress.out", numel // comm.shard_world, dtype)] + _reduce_scatter_plan(state, comm, numel, dtype)
+
+    hook.workspace_plan = plan
     hook.__name__ = f"{str(dtype).replace('torch.', '')}_compress_hook"
     hook.__doc__ = (f"Reduce-scatter in {dtype} (half the bytes of fp32), result widened into "
                     "``bucket.output()`` (two workspace buffers, allocated once).")
@@ -250,13 +279,14 @@ def qgz_hook(state: QgzState, bucket: GradBucket):
     if state.comm is not bucket.comm:
         raise ValueError("qgz_hook: this QgzState was built for another sharded model (its node groups are that "
                          "model's); build one per model: QgzState(model, ranks_per_node)")
-    comm, buf, out = bucket.comm, bucket.buffer(), bucket.output()
+    comm, buf = bucket.comm, bucket.buffer()
     w = comm.shard_world
     reason = qgz_fallback_reason(buf.numel(), w, state.ranks_per_node, dtype=buf.dtype, bits=state.bits,
                                  block=state.block)
     if reason is not None:
         state.fallbacks[bucket.name] = reason
         return reduce_scatter_hook(state, bucket)
+    out = bucket.output()  # (not before the fallback: over one rank it would be allocated for nothing)
     ws = bucket.workspace("qgz", qgz_workspace_nbytes(buf.numel(), w, bits=state.bits, block=state.block), torch.uint8)
     seed = None
     if state.rounding == "stochastic":
@@ -267,3 +297,21 @@ def qgz_hook(state: QgzState, bucket: GradBucket):
     qgz_reduce_scatter(comm, out, buf, ws, intra_group=state.intra, inter_group=state.inter, bits=state.bits,
                        block=state.block, unit=bucket.name, seed=seed)
     return _done(out)
+
+
+def _qgz_plan(state: Any, comm: "Comm", numel: int, dtype: torch.dtype) -> list[tuple[str, int, torch.dtype]]:
+    """What :func:`qgz_hook` asks for on a bucket: its byte workspace where qgZ applies, else what
+    the exact reduce-scatter it falls back to asks for (nothing is planned for a wrong state: the
+    hook refuses it at its first call)."""
+    from .zeropp import qgz_fallback_reason, qgz_workspace_nbytes
+
+    if not isinstance(state, QgzState) or state.comm is not comm:
+        return []
+    w = comm.shard_world
+    if qgz_fallback_reason(numel, w, state.ranks_per_node, dtype=dtype, bits=state.bits, block=state.block) is not None:
+        return _reduce_scatter_plan(state, comm, numel, dtype)
+    return [("output", numel // w, dtype), ("qgz", qgz_workspace_nbytes(numel, w, bits=state.bits, block=state.block),
+                                              torch.uint8)]
+
+
+qgz_hook.workspace_plan = _qgz_plan

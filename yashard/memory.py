@@ -52,8 +52,9 @@ class MemoryPlan:
 def plan_memory(rt: "Runtime") -> MemoryPlan:
     """Derive the plan from the layouts and dtypes alone (no tensor is inspected).
 
-    The one exception is the scratch a comm hook asks for (``GradBucket.workspace``): it exists
-    only once the hook ran, and is listed then.
+    Comm hook scratch (``GradBucket.workspace``) is listed as allocated: a hook with a
+    ``workspace_plan`` (every built-in) has it from ``register_comm_hook`` on; one without, from
+    its first call.
     """
     from .zeropp import qwz_workspace_nbytes
 
@@ -89,7 +90,8 @@ def plan_memory(rt: "Runtime") -> MemoryPlan:
         extra = f" + layers/{h}*{p}"
     for name, t in rt._workspaces.items():
         rows.append(MemoryRow(f"comm hook {name}", t.numel(), t.numel() * t.element_size(),
-                              "allocated by the comm hook at its first call"))
+                              "the comm hook's workspace_plan" if rt._hook_planned else
+                              "asked for by the comm hook at its first call (it has no workspace_plan)"))
     formula = (
         f"sum over slots S*({g if rt.direct else f'{p}+{g}'}){f' + max S/W*{g}' if out else ''} + N/W*(8{'+' + str(p) if cfg.param_dtype != torch.float32 else ''})"
         + extra + (" + qwZ codes" if cfg.quantized_weights else "") + (" + comm hook scratch" if rt._workspaces else "")

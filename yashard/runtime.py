@@ -78,6 +78,7 @@ class Runtime:
         self.comm_hook = reduce_scatter_hook   # how each unit's gradients are reduced (comm_hooks.py)
         self.comm_hook_state = None
         self._workspaces: dict[str, torch.Tensor] = {}   # comm hooks' persistent scratch buffers
+        self._hook_planned = False  # the comm hook's workspace_plan was allocated (more is warned about)
         self._hook_registered = False  # register_comm_hook was called (once only)
         self._bucket_index = 0
         self._cast_versions: tuple | None = None   # master versions the param_dtype shards were cast at
@@ -240,8 +241,6 @@ class Runtime:
         self.reduce_out = None
         if w > 1:
             self._reduce_output(0)
-        if self.comm.reduce_scatter_needs_scratch():  # the default hook's receive buffer (gloo, > 2 ranks)
-            self._workspace("reduce_scatter", max(s.numel for s in self.slots.values()), gdt)
         # qwZ: codes + scales of every rank's shard, gathered in one collective. One workspace serves
         # every slot: a quantized gather has dequantized into its slot before the next one quantizes
         # (on the communication stream, in issue order).
@@ -295,6 +294,7 @@ class Runtime:
         order = ([self.embed] if self.embed else []) + self.layers + ([self.lm_head] if self.lm_head else [])
         self.units = order + ([self.small] if self.small else [])
         self.forward_order = order
+        self._plan_hook_workspaces()  # the default hook's: a receive buffer on gloo over > 2 ranks
         for a, b in zip(order, order[1:] + [None]):
             a.next_forward = b
         self.norm_group = NormGroup(self.small) if self.small else None
@@ -901,8 +901,28 @@ class Runtime:
         key = name if first is None or first.dtype == dtype else f"{name}[{str(dtype).replace('torch.', '')}]"
         buf = self._workspaces.get(key)
         if buf is None or buf.numel() < numel:
+            if self._hook_planned:
+                logger.warning("yashard: comm hook %s asked for workspace %r of %d %s, more than its workspace_plan "
+                               "said; allocated now (memory_plan() lists it from here on). Fix the hook's plan",
+                               getattr(self.comm_hook, "__name__", self.comm_hook), key, numel, dtype)
             buf = self._workspaces[key] = torch.empty(numel, dtype=dtype, device=self.device)
         return buf.narrow(0, 0, numel)
+
+    def _plan_hook_workspaces(self) -> None:
+        """Allocate what the comm hook says it will ask for (its ``workspace_plan``, see
+        :mod:`yashard.comm_hooks`) on every unit's bucket, so the memory plan holds it before step
+        one and the first backward allocates nothing. A hook without a plan allocates at its first call."""
+        self._hook_planned = False
+        plan = getattr(self.comm_hook, "workspace_plan", None)
+        if plan is None:
+            return
+        for u in self.units:
+            for name, numel, dtype in plan(self.comm_hook_state, self.comm, u.layout.padded, self.config.wire_dtype):
+                if name == "output":
+                    self._reduce_output(0)
+                else:
+                    self._workspace(name, numel, dtype)
+        self._hook_planned = True
 
     def check_no_sync(self) -> None:
         """Refuse ``no_sync()`` where unreduced gradients cannot be held exactly."""
@@ -968,6 +988,7 @@ class Runtime:
         self.comm_hook, self.comm_hook_state = hook, state
         self._hook_registered = True
         self._workspaces.clear()  # the default hook's buffers; the new hook asks for its own
+        self._plan_hook_workspaces()
 
     def _check_same_hook(self, state, hook) -> None:
         """Every rank must reduce with the same hook and state settings, or their collectives

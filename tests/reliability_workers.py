@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -216,27 +217,33 @@ def default_backend_step(rank, world):
                 device=str(sm.runtime.device), losses=losses)
 
 
-def scaler_steps(rank, world, kind, fused, poison_steps=(0,), steps=2, dtype=torch.float16, cfg=None):
+def scaler_steps(rank, world, kind, fused, poison_steps=(0,), steps=2, dtype=torch.float16, cfg=None, autocast=None,
+                 unscale=True):
     """fp16 training with loss scaling (``kind``: "sharded" = yashard.ShardedGradScaler, "plain" =
-    torch.amp.GradScaler, None = no scaler, for the fp32 run); at the steps in ``poison_steps`` rank 0
-    alone puts an inf into its shard of the first layer's gradient. Per step: did this rank's masters
-    change, the scale after update(), the loss. ``cfg``: more ShardConfig fields."""
+    torch.amp.GradScaler, "plain_off" = a disabled one, None = no scaler, for the fp32 run); at the
+    steps in ``poison_steps`` rank 0 alone puts an inf into its shard of the first layer's gradient.
+    Per step: did this rank's masters change, the scale after update(), the loss. ``cfg``: more
+    ShardConfig fields; ``autocast``: the forward runs under ``torch.autocast("cpu", autocast)``;
+    ``unscale=False``: no ``scaler.unscale_`` (and no clipping) before ``scaler.step``."""
     sm = yashard.shard(build(num_hidden_layers=4), config=yashard.ShardConfig(param_dtype=dtype, **(cfg or {})))
     opt = torch.optim.AdamW(sm.param_groups(0.1), lr=1e-3, fused=fused)
     scaler = {"sharded": lambda: yashard.ShardedGradScaler(sm, init_scale=1024.0),
               "plain": lambda: torch.amp.GradScaler("cpu", init_scale=1024.0),
+              "plain_off": lambda: torch.amp.GradScaler("cpu", enabled=False),
               None: lambda: None}[kind]()
     out = []
     for step in range(steps):
         ids = batches(step + 1, 2 * world, 8, 96)[step].chunk(world)[rank]
-        loss = sm(input_ids=ids, labels=ids).loss
+        with torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext():
+            loss = sm(input_ids=ids, labels=ids).loss
         (scaler.scale(loss) if scaler else loss).backward()
         if step in poison_steps and rank == 0:
             sm.runtime.layers[0].master.grad[0] = float("inf")
         before = [u.master.detach().clone() for u in sm.runtime.units]
-        if scaler:
+        if scaler and unscale:
             scaler.unscale_(opt)
-        sm.clip_grad_norm_(1.0)
+        if unscale:
+            sm.clip_grad_norm_(1.0)
         if scaler:
             scaler.step(opt)
             scaler.update()
@@ -476,9 +483,10 @@ def scaler_lifetime(rank, world):
     return out
 
 
-def fp16_scaler_misuse(rank, world, fused):
-    """An fp16 step with torch.amp.GradScaler (``fused``: AdamW(fused=True)); the error it raised, if
-    any, and the yashard warnings logged."""
+def fp16_scaler_misuse(rank, world, fused, dtype=torch.float16, kind="plain", autocast=None, unscale=True):
+    """Two steps with torch.amp.GradScaler (``fused``: AdamW(fused=True); ``kind="plain_off"``: a
+    disabled one) on ``param_dtype=dtype`` (under fp16 autocast with ``autocast``); the error it
+    raised, if any, and the yashard warnings logged."""
     import logging
 
     records = []
@@ -486,7 +494,7 @@ def fp16_scaler_misuse(rank, world, fused):
     handler.emit = records.append
     logging.getLogger("yashard").addHandler(handler)
     try:
-        scaler_steps(rank, world, "plain", fused, (), 2)
+        scaler_steps(rank, world, kind, fused, (), 2, dtype, autocast=autocast, unscale=unscale)
         error = None
     except RuntimeError as e:
         error = str(e)

@@ -174,14 +174,6 @@ def test_sharded_grad_scaler_makes_every_rank_skip_an_inf_that_one_rank_saw(fuse
         assert [(stepped, scale) for stepped, scale, _ in rank_out] == [(False, 512.0), (True, 512.0)]
 
 
-def test_a_plain_grad_scaler_lets_the_ranks_step_apart():
-    """The control: torch.amp.GradScaler decides per rank, so rank 1 steps where rank 0 skips (with
-    the step checks on, rank 1 would then wait in a collective rank 0 never joins)."""
-    r0, r1 = run_distributed(scaler_steps, 2, "plain", False, (0,), 1, torch.float16,
-                             {"on_nonfinite": "ignore"})
-    assert r0[0][:2] == (False, 512.0) and r1[0][:2] == (True, 1024.0)
-
-
 def test_fp16_training_with_the_sharded_scaler_follows_fp32():
     fp16 = run_distributed(scaler_steps, 2, "sharded", False, (), 5)
     fp32 = run_distributed(scaler_steps, 2, None, False, (), 5, torch.float32)
@@ -293,15 +285,24 @@ def test_sharded_grad_scaler_lifetime_copies_and_on_nonfinite_coming_back():
         assert out["without"] == "NonFiniteError"
 
 
-def test_torch_amp_grad_scaler_is_refused_or_warned_about():
-    """A fused optimizer stepped by torch.amp.GradScaler carries its per-rank found_inf: refused on every
-    rank. Without one (the non-fused path cannot be seen) rank 0 warns once that fp16 wants
-    ShardedGradScaler."""
-    for error, _ in run_distributed(fp16_scaler_misuse, 2, True):
+def test_torch_amp_grad_scaler_is_refused_on_every_rank():
+    """torch.amp.GradScaler decides per rank, and an inf in one rank's shards would make that rank
+    alone skip the step (the others then wait in a collective it never issues, up to
+    collective_timeout). Refused on every rank at the first step: a fused optimizer by the found_inf
+    the scaler hands it, the other path at unscale_, including the usual AMP recipe (fp32 parameters
+    under fp16 autocast). A disabled scaler does nothing and passes; fp16 without a working scaler
+    is warned about once, on rank 0."""
+    fix = "scaler = yashard.ShardedGradScaler(model): the same API, with the check agreed across ranks"
+    for error, _ in run_distributed(fp16_scaler_misuse, 2, True, torch.float16, "plain", None, False):
         assert error.startswith("AdamW.step() from a torch.amp.GradScaler on a yashard model: each rank holds other "
-                                "gradient shards") and error.endswith("scaler = yashard.ShardedGradScaler(model): the "
-                                                                      "same API, with the check agreed across ranks")
-    for rank, (error, warnings) in enumerate(run_distributed(fp16_scaler_misuse, 2, False)):
+                                "gradient shards") and error.endswith(fix)
+    for fused, dtype, autocast in ((True, torch.float16, None), (False, torch.float16, None),
+                                   (False, torch.float32, torch.float16)):
+        for error, warnings in run_distributed(fp16_scaler_misuse, 2, fused, dtype, "plain", autocast):
+            assert error is not None and error.startswith(
+                "torch.amp.GradScaler on an optimizer of a yashard model: each rank holds other gradient shards, so its "
+                "inf check sees one rank's shards") and error.endswith(fix), error
+    for rank, (error, warnings) in enumerate(run_distributed(fp16_scaler_misuse, 2, False, torch.float16, "plain_off")):
         assert error is None
         assert len(warnings) == (1 if rank == 0 else 0), warnings   # once, not every step
         assert all(w.startswith("param_dtype=float16 without yashard.ShardedGradScaler") for w in warnings)

@@ -68,6 +68,44 @@ def track(runtime, removed: dict[torch.nn.Parameter, str]) -> None:
         _handles.append(register_optimizer_step_pre_hook(_before_step))
         _handles.append(register_optimizer_step_post_hook(_after_step))
         _wrap_torch_clip()
+        _wrap_plain_grad_scaler()
+
+
+def _wrap_plain_grad_scaler() -> None:
+    """Make a plain ``torch.amp.GradScaler`` refuse an optimizer of yashard master shards.
+
+    Its inf check reads this rank's gradient shards only: an overflow that lands in one rank's
+    shards makes that rank skip ``optimizer.step()`` while the others step (then wait, up to
+    ``collective_timeout``, in a collective it never issues), and the ranks' weights and scales
+    part. That is the usual AMP recipe (fp32 parameters, ``torch.autocast(dtype=torch.float16)``,
+    ``GradScaler``), so from the first ``yashard.shard`` on, an enabled plain scaler's ``unscale_``
+    (which ``step`` calls) raises on every rank alike, at the first step, naming
+    :class:`yashard.ShardedGradScaler` (the same API, with the check agreed across ranks). The
+    fused-optimizer path, which skips ``unscale_``, is refused by :func:`check_loss_scaling`."""
+    import functools
+
+    from torch.amp import GradScaler
+
+    torch_unscale = GradScaler.unscale_
+
+    @functools.wraps(torch_unscale)
+    def unscale_(self, optimizer):
+        from .grad_scaler import ShardedGradScaler
+
+        if self.is_enabled() and not isinstance(self, ShardedGradScaler) and any(
+                _owners.get(p) is not None for group in optimizer.param_groups for p in group["params"]):
+            kind = ("torch.amp.GradScaler" if type(self) is GradScaler else
+                    f"{type(self).__module__}.{type(self).__qualname__} (a torch.amp.GradScaler)")
+            raise RuntimeError(
+                f"{kind} on an optimizer of a yashard model: each rank holds "
+                "other gradient shards, so its inf check sees one rank's shards and the ranks skip different steps "
+                "(their weights and loss scales drift apart, or a rank waits in a collective the others skipped). Use "
+                "scaler = yashard.ShardedGradScaler(model): the same API, with the check agreed across ranks"
+            )
+        return torch_unscale(self, optimizer)
+
+    unscale_.__wrapped__ = torch_unscale
+    GradScaler.unscale_ = unscale_
 
 
 def _wrap_torch_clip() -> None:

@@ -691,6 +691,33 @@ def test_hf_parameter_counts_include_the_sharded_parameters(pg, tied):
     assert sm.module.get_memory_footprint() == sum(p.numel() * 4 for p in sm.parameters()) + buffers
 
 
+def test_the_hf_module_answers_its_shards_as_its_parameters(pg):
+    """As FSDP2 leaves a module: after shard(), the HF module's parameters are this rank's shards (the
+    ShardedModel's, same names), so code that kept the HF module acts on what trains. Before, its
+    parameters() was empty: hf.zero_grad() left a stray backward's gradients in place and torch's
+    clip_grad_norm_(hf.parameters()) returned 0 and clipped nothing, without a word."""
+    ref = build()
+    hf = build()
+    sm = yashard.shard(hf)
+    assert [(n, id(p)) for n, p in hf.named_parameters()] == [(n, id(p)) for n, p in sm.named_parameters()]
+    assert [n for n, _ in hf.named_parameters(prefix="m")][0] == "m.shards.embed"
+    assert hf.num_parameters() == ref.num_parameters()  # the unsharded count, not the padded shards'
+    _loss(sm, seed=1).backward()  # a stray backward ...
+    hf.zero_grad()               # ... dropped through the HF module
+    assert all(p.grad is None for p in sm.parameters())
+    _loss(sm).backward()
+    _loss(ref).backward()
+    norm = torch.nn.utils.clip_grad_norm_(hf.parameters(), 1e-3)  # the global norm, and it clips
+    want = torch.cat([p.grad.flatten() for p in ref.parameters()]).norm()
+    torch.testing.assert_close(norm, want, rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.cat([p.grad for p in hf.parameters()]).norm(), torch.tensor(1e-3), rtol=1e-4, atol=0)
+    with pytest.raises(RuntimeError, match=r"model\.embed_tokens\.weight \(shape \(96, 32\)\) is a parameter of the "
+                                           r"sharded model that yashard\.shard did not shard"):
+        hf.model.embed_tokens.weight_extra = nn.Parameter(torch.zeros(96, 32))
+        hf.model.embed_tokens._parameters["weight"] = hf.model.embed_tokens._parameters.pop("weight_extra")
+        torch.optim.SGD(sm.parameters(), lr=0.1).step()
+
+
 def test_dtype_and_device_conversions_are_refused(pg):
     sm = yashard.shard(build())
     masters = [p.data_ptr() for p in sm.parameters()]

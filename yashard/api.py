@@ -110,6 +110,13 @@ def _refuse_dsd(self):
     )
 
 
+def _shard_names(units) -> list[tuple[str, nn.Parameter]]:
+    """``("shards.<unit>", master)`` per unit; the norm group (every 1-D parameter) is
+    ``shards.norms_and_biases``, so name-based no-decay rules (HF Trainer's "bias" / "norm"
+    patterns) group the shards as ``param_groups()`` does."""
+    return [(f"shards.{'norms_and_biases' if u.kind == 'small' else u.name}", u.master) for u in units]
+
+
 def _answer_device_and_dtype(module: nn.Module, runtime: Runtime) -> None:
     """HF reads a model's ``device`` and ``dtype`` from its first parameter (``generate()``,
     ``save_pretrained``), and counts parameters over the module's own (``num_parameters``,
@@ -137,16 +144,27 @@ def _answer_device_and_dtype(module: nn.Module, runtime: Runtime) -> None:
             raise RuntimeError("the yashard runtime of this module is gone (its ShardedModel was dropped)")
         return rt.units
 
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        # as FSDP2's fully_shard leaves them: the module's parameters are this rank's shards (the
+        # ShardedModel's, under its names), so model.zero_grad(), torch's clip_grad_norm_ (wrapped:
+        # guards.py) and optimizers given this module's parameters act on what trains
+        yield from nn.Module.named_parameters(self, prefix, recurse, remove_duplicate)  # (none are left)
+        for name, master in _shard_names(_units(self)):
+            yield (f"{prefix}.{name}" if prefix else name), master
+
     def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
         skip = ({f"{name}.weight" for name, m in self.named_modules() if isinstance(m, nn.Embedding)}
                 if exclude_embeddings else set())
+        own = sum(p.numel() for name, p in nn.Module.named_parameters(self)
+                  if name not in skip and (p.requires_grad or not only_trainable))
         sharded = sum(entry.numel for u in _units(self) for entry, fqns in zip(u.layout.entries, u.fqns)
                       if not skip.intersection(fqns) and (u.master.requires_grad or not only_trainable))
-        return cls.num_parameters(self, only_trainable, exclude_embeddings) + sharded
+        return own + sharded
 
     def get_memory_footprint(self, return_buffers=True):
-        masters = sum(u.master.numel() * u.master.element_size() for u in _units(self))
-        return cls.get_memory_footprint(self, return_buffers) + masters
+        # this rank's master shards, what the module still holds, and (as HF) its buffers
+        tensors = [p for _, p in self.named_parameters()] + (list(self.buffers()) if return_buffers else [])
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def generate(self, *args, **kwargs):
         # every forward gathers over the shard group: a rank that finished early must keep stepping
@@ -167,6 +185,7 @@ def _answer_device_and_dtype(module: nn.Module, runtime: Runtime) -> None:
 
     members = {
         "_apply": _apply,
+        "named_parameters": named_parameters,
         "_fqn_modifiers": _refuse_dsd,
         "requires_grad_": requires_grad_,
         "__reduce_ex__": _refuse_copy,
@@ -234,8 +253,7 @@ class ShardedModel(nn.Module):
         # named "shards.<unit>"; the norm group (every 1-D parameter) as "shards.norms_and_biases", so
         # name-based no-decay rules (HF Trainer's "bias" / "norm" patterns) group the shards as
         # param_groups() does
-        self.shards = nn.ParameterDict({("norms_and_biases" if u.kind == "small" else u.name): u.master
-                                        for u in runtime.units})
+        self.shards = nn.ParameterDict({name.removeprefix("shards."): master for name, master in _shard_names(runtime.units)})
         object.__setattr__(self, "_runtime", runtime)
         _answer_device_and_dtype(module, runtime)
         for m in (self, module):  # module too: HF's save_pretrained reads its state_dict

@@ -944,7 +944,7 @@ class Runtime:
     def check_no_new_parameters(self) -> None:
         """Raise if the HF module holds a parameter again (``yashard.shard`` took them all): one added
         after sharding (a module replaced, say) is neither sharded nor reduced across ranks."""
-        name, p = next(iter(self.model.named_parameters()), (None, None))
+        name, p = next(iter(nn.Module.named_parameters(self.model)), (None, None))  # (not the shards it answers)
         if name is not None:
             raise RuntimeError(
                 f"{name} (shape {tuple(p.shape)}) is a parameter of the sharded model that yashard.shard did not shard: "

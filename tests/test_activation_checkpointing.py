@@ -67,3 +67,32 @@ def test_checkpointed_layers_with_the_cache_on_match_the_unsharded_model(pg, use
     grads = sm.full_grads()
     for name, p in ref.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "noreshard"])
+@pytest.mark.parametrize("between", ["eval", "generate", "retain_graph"])
+def test_a_checkpointed_backward_after_a_no_grad_forward_or_a_second_time(pg, reshard, between):
+    """The recompute reads the views of the forward it belongs to: a no-grad forward in between (an
+    evaluation, generate()) installs plain views (the recompute then saved fewer tensors: torch's
+    CheckpointError), and the end of a backward takes them off (a second backward of a graph kept
+    with retain_graph=True raised AttributeError). Both match the unsharded model."""
+    ids, other = batches(2, 2, 16, 96)
+    ref = build(num_hidden_layers=4)
+    ref(input_ids=ids, labels=ids).loss.backward(retain_graph=between == "retain_graph")
+    sm = yashard.shard(build(num_hidden_layers=4),
+                       config=yashard.ShardConfig(checkpoint_layers=2, reshard_after_forward=reshard))
+    loss = sm(input_ids=ids, labels=ids).loss
+    with torch.no_grad():
+        if between == "eval":
+            want = ref(input_ids=other, labels=other).loss
+            torch.testing.assert_close(sm(input_ids=other, labels=other).loss, want, rtol=1e-5, atol=1e-6)
+        elif between == "generate":
+            assert torch.equal(sm.generate(other[:, :4], max_new_tokens=3, do_sample=False),
+                               ref.generate(other[:, :4], max_new_tokens=3, do_sample=False))
+    if between == "retain_graph":
+        loss.backward(retain_graph=True)
+        ref(input_ids=ids, labels=ids).loss.backward()  # the reference's gradients twice over, too
+    loss.backward()
+    grads = sm.full_grads()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6, msg=name)

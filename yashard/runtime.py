@@ -303,8 +303,12 @@ class Runtime:
             u.order = i
             # Views of a unit whose slot other units reuse come off once nothing reads them any more:
             # after its forward, or (activation checkpointing recomputes the forward) its backward.
+            checkpointed = u.kind == "layer" and u.index < self.config.checkpoint_layers
             if sharing[u.slot.name] > 1:
-                u.views_until = "backward" if u.kind == "layer" and u.index < self.config.checkpoint_layers else "forward"
+                u.views_until = "backward" if checkpointed else "forward"
+            # the recompute of a checkpointed layer reads its own views and the norm group's: those
+            # of the grad-enabled forward it belongs to are put back when its backward starts
+            u.keep_backward_views = checkpointed or (u.kind == "small" and self.config.checkpoint_layers > 0)
         # Since the last optimizer step: did a unit's forward output / reduced gradient hold a NaN/inf?
         self.fwd_nonfinite = torch.zeros(len(self.units), dtype=torch.bool, device=self.device)
         self._clip_finite = None  # (per-unit 'gradient is finite' flags, the grads' versions) of the last clip
@@ -717,6 +721,10 @@ class Runtime:
                 )
             self._bwd_last_layer = unit.index
         self._ensure_gathered(unit)
+        if unit.keep_backward_views:  # (an activation-checkpointed layer) before the recompute reads them
+            unit.restore_backward_views()
+            if self.small is not None:
+                self.small.restore_backward_views()
         nxt = self._next_backward(unit)
         self._prefetch(nxt)
 
@@ -861,6 +869,7 @@ class Runtime:
                 u.unreduced = False  # (a no_sync() accumulation: the next backward writes afresh)
                 if u.views_until == "backward":
                     u.remove_views()
+                u.backward_views = None
             for slot in self.slots.values():
                 slot.grad_owner = None
             self.in_backward = False

@@ -67,6 +67,11 @@ class Unit:
         # When the module views come off again: None (the slot is this unit's alone, so they stay
         # right), "forward" or "backward" (set by the runtime).
         self.views_until = None
+        # Activation checkpointing (a checkpointed layer, and the norm group when any layer is):
+        # the views of the last grad-enabled forward, which the recompute in backward must read
+        # (put back by restore_backward_views).
+        self.keep_backward_views = False
+        self.backward_views: list[torch.Tensor] | None = None
         # master.grad was attached after a zero_grad(set_to_none=True) and holds nothing yet: the
         # first reduction of the backward writes it instead of adding to it.
         self.grad_unwritten = False
@@ -84,11 +89,27 @@ class Unit:
         from .narrow import Narrow
 
         weights = self.slot.weights
+        views = []
         for i, (entry, locs) in enumerate(zip(self.layout.entries, self.locations)):
             if token is not None:
                 view = Narrow.apply(token, weights, self, i)
             else:
                 view = weights.narrow(0, entry.offset, entry.numel).view(entry.shape)
+            views.append(view)
+            for module, attr in locs:
+                module.__dict__[attr] = view
+        if token is not None and self.keep_backward_views:
+            self.backward_views = views
+
+    def restore_backward_views(self) -> None:
+        """Put back the views of the last grad-enabled forward (activation-checkpointed layers, when
+        their backward starts): the recompute must build its graph on them (so gradients reach the
+        grad slot through ``Narrow``), and a no-grad forward since (an evaluation, ``generate()``)
+        installed plain views, or the end of a backward took them off (``retain_graph=True``, then a
+        second backward). They show the same slot range the backward re-gathered the unit into."""
+        if self.backward_views is None:
+            return
+        for view, locs in zip(self.backward_views, self.locations):
             for module, attr in locs:
                 module.__dict__[attr] = view
 

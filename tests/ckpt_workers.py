@@ -381,3 +381,46 @@ def dcp_optimizer_scalars(rank, world) -> dict:
             out[name] = str(e)
         out[name + "_state"] = len(opt.state)
     return out
+
+
+def optimizer_state_dict_misuse(rank, world, root: str, mode: str):
+    """opt.state_dict() of master shards carried the usual ways: ``mode`` "dcp" (dcp.save / dcp.load
+    of it, then load_state_dict), "own" (each rank torch.saves its own, and loads it back), "rank0"
+    (every rank loads rank 0's file), "from2" (at another world size, the files written at world 2).
+    The error load_state_dict raised (None if it loaded) and whether the loaded state is what this
+    rank saved."""
+    import torch.distributed.checkpoint as dcp
+
+    def fresh():
+        sm = yashard.shard(build())
+        return sm, torch.optim.AdamW(sm.param_groups(0.1), lr=1e-2)
+
+    def step(sm, opt, seed):
+        ids = batches(1, 2 * world, 8, 96, seed=seed)[0].chunk(world)[rank]
+        sm(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    sm, opt = fresh()
+    step(sm, opt, 1)
+    want = [opt.state[p]["exp_avg"].clone() for p in sm.parameters()]
+    if mode == "dcp":
+        dcp.save({"optim": opt.state_dict()}, checkpoint_id=f"{root}/dcp")
+    elif mode != "from2":
+        torch.save(opt.state_dict(), f"{root}/opt_{rank}.pt")
+    dist.barrier()
+    sm2, opt2 = fresh()
+    step(sm2, opt2, 2)
+    if mode == "dcp":
+        sd = {"optim": opt2.state_dict()}
+        dcp.load(sd, checkpoint_id=f"{root}/dcp")
+        sd = sd["optim"]
+    else:
+        sd = torch.load(f"{root}/opt_{ {'own': rank, 'rank0': 0, 'from2': min(rank, 1)}[mode]}.pt")
+    try:
+        opt2.load_state_dict(sd)
+        error = None
+    except ValueError as e:
+        error = str(e)
+    same = mode != "from2" and all(torch.equal(opt2.state[p]["exp_avg"], w) for p, w in zip(sm2.parameters(), want))
+    return error, same

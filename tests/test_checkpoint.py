@@ -22,7 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import yashard
-from ckpt_workers import (DCP_MODELS, dcp_optimizer_scalars, save_misuse, EXPORT_LIMIT, dcp_async_save, dcp_load, dcp_load_named, dcp_save,
+from ckpt_workers import (DCP_MODELS, dcp_optimizer_scalars, optimizer_state_dict_misuse, save_misuse, EXPORT_LIMIT, dcp_async_save, dcp_load, dcp_load_named, dcp_save,
                           dcp_train_resume, fsdp2_dcp, fsdp2_train_save_continue, run_segments, save_then_killed_save,
                           segment, yashard_load_continue)
 from harness import run_distributed as launch, run_until_exit
@@ -969,3 +969,25 @@ def test_an_fsdp2_training_checkpoint_continues_under_yashard():
         theirs = launch(fsdp2_train_save_continue, 2, root)[0]
         ours = launch(yashard_load_continue, 3, root)[0]
     _assert_close({k: ours[k] for k in theirs}, theirs, "fsdp2 -> yashard")
+
+
+def test_another_ranks_optimizer_state_dict_is_refused(tmp_path):
+    """opt.state_dict() of master shards holds this rank's shards under the names every rank uses: a
+    rank-0 file loaded on every rank, or dcp.save / dcp.load of it (DCP keeps one rank's copy of each
+    tensor) gave ranks other ranks' moments without a word, and files of another world size failed
+    inside the optimizer's step. Its tag (shard rank, world, shards, checksums) makes
+    load_state_dict refuse them, naming the fix; each rank's own file at the same world loads."""
+    fix = "save and load with yashard.save_checkpoint / yashard.load_checkpoint (any world size)"
+    assert launch(optimizer_state_dict_misuse, 2, str(tmp_path), "own") == [(None, True), (None, True)]
+    (e0, same0), (e1, _) = launch(optimizer_state_dict_misuse, 2, str(tmp_path), "rank0")
+    assert e0 is None and same0
+    assert e1.startswith("AdamW.load_state_dict: this state dict is another rank's or another layout's optimizer "
+                         "state of yashard master shards: it holds shard rank 0's state and this is shard rank 1") and fix in e1
+    for error, _ in launch(optimizer_state_dict_misuse, 3, str(tmp_path), "from2"):
+        assert re.search(r"it was saved at shard rank \d of 2 \(7 shards, [\d,]+ elements\) and this optimizer holds "
+                         r"shard rank \d of 3", error), error
+    dcp_results = launch(optimizer_state_dict_misuse, 2, str(tmp_path), "dcp")
+    refused = [e for e, _ in dcp_results if e is not None]
+    assert refused, dcp_results  # (a rank that DCP happened to give all of its own state may load it)
+    assert all("torch.distributed.checkpoint keeps one rank's copy of each" in e or "shard rank" in e for e in refused)
+    assert all(same for e, same in dcp_results if e is None)

@@ -69,6 +69,101 @@ def track(runtime, removed: dict[torch.nn.Parameter, str]) -> None:
         _handles.append(register_optimizer_step_post_hook(_after_step))
         _wrap_torch_clip()
         _wrap_plain_grad_scaler()
+        _wrap_optimizer_state_dict()
+
+
+_TAG = "yashard_shards"  # the key optimizer state dicts of master shards carry (see below)
+
+
+def _shard_tag(optimizer) -> dict | None:
+    """What makes ``optimizer``'s state this rank's: the shard rank and world of the model whose
+    master shards it holds, which shards (unit names and sizes, in ``param_groups`` order), and one
+    exact checksum per state tensor (integer sum of its bits). None if it holds no master shard."""
+    rt, shards, sums = None, [], []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            ref = _owners.get(p)
+            owner = ref() if ref is not None else None
+            if owner is None:
+                continue
+            rt = owner
+            unit = next(u for u in owner.units if u.master is p)
+            shards.append(f"{unit.name}:{p.numel()}")
+            for key, t in sorted(optimizer.state.get(p, {}).items()):
+                if isinstance(t, torch.Tensor) and t.numel() > 1:
+                    sums.append(_bits_sum(t))
+    if rt is None:
+        return None
+    return {"shard_rank": rt.comm.shard_rank, "shard_world": rt.comm.shard_world, "shards": shards, "checksums": sums}
+
+
+def _bits_sum(t: torch.Tensor) -> int:
+    """The integer sum of ``t``'s bits (exact and order-free, so the same on every recomputation)."""
+    flat = t.detach().reshape(-1)
+    as_int = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[flat.element_size()]
+    return int(flat.view(as_int).sum(dtype=torch.int64))
+
+
+def _wrap_optimizer_state_dict() -> None:
+    """Tag ``optimizer.state_dict()`` of master shards with whose they are; refuse another's at
+    ``load_state_dict``.
+
+    An optimizer of yashard master shards holds this rank's shard of every state tensor under the
+    names every rank uses. Written the usual ways, one rank's state reaches another without a
+    shape error: ``torch.save(opt.state_dict())`` on rank 0 loaded on every rank, or
+    ``dcp.save({"optim": opt.state_dict()})`` (DCP keeps one rank's copy of each tensor, any
+    rank's) loaded with ``dcp.load`` + ``opt.load_state_dict``. The ranks then train on other
+    ranks' moments, silently. So the dict carries :func:`_shard_tag`, and ``load_state_dict``
+    refuses a dict whose tag names another shard rank or world, other shards, or other state
+    values than the ones it holds (what DCP mixes), naming ``yashard.save_checkpoint`` /
+    ``model.sharded_optim_state_dict``; per-rank files loaded by the rank that wrote them at the
+    same world size load as before."""
+    import functools
+
+    from torch.optim import Optimizer
+
+    torch_state_dict, torch_load = Optimizer.state_dict, Optimizer.load_state_dict
+
+    @functools.wraps(torch_state_dict)
+    def state_dict(self):
+        sd = torch_state_dict(self)
+        tag = _shard_tag(self)
+        if tag is not None:
+            sd[_TAG] = tag
+        return sd
+
+    @functools.wraps(torch_load)
+    def load_state_dict(self, state_dict):
+        saved = state_dict.get(_TAG) if isinstance(state_dict, dict) else None
+        if saved is not None:
+            state_dict = {k: v for k, v in state_dict.items() if k != _TAG}
+        torch_load(self, state_dict)
+        mine = _shard_tag(self) if saved is not None else None
+        if mine is not None and saved != mine:
+            def where(tag):
+                numel = sum(int(s.rsplit(":", 1)[1]) for s in tag["shards"])
+                return (f"shard rank {tag['shard_rank']} of {tag['shard_world']} ({len(tag['shards'])} shards, "
+                        f"{numel:,} elements)")
+
+            if saved["shards"] != mine["shards"] or saved["shard_world"] != mine["shard_world"]:
+                what = f"it was saved at {where(saved)} and this optimizer holds {where(mine)}"
+            elif saved["shard_rank"] != mine["shard_rank"]:
+                what = f"it holds shard rank {saved['shard_rank']}'s state and this is shard rank {mine['shard_rank']}"
+            else:
+                what = ("its state tensors are not those it was saved with (torch.distributed.checkpoint keeps one "
+                        "rank's copy of each, any rank's, when every rank saves under the same names)")
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: this state dict is another rank's or another layout's "
+                f"optimizer state of yashard master shards: {what}. opt.state_dict() holds this rank's shards only; "
+                "save and load with yashard.save_checkpoint / yashard.load_checkpoint (any world size), or put "
+                "model.sharded_optim_state_dict(opt) into dcp.save / dcp.load and then call "
+                "model.load_sharded_optim_state_dict(opt, state_dict); per-rank opt.state_dict() files work only when "
+                "each rank loads its own at the same world size. This optimizer now holds that state: load a right one "
+                "before stepping"
+            )
+
+    state_dict.__wrapped__, load_state_dict.__wrapped__ = torch_state_dict, torch_load
+    Optimizer.state_dict, Optimizer.load_state_dict = state_dict, load_state_dict
 
 
 def _wrap_plain_grad_scaler() -> None:

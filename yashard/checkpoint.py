@@ -658,8 +658,9 @@ def _check_model(index: dict, rt: "Runtime", save_dir: Path) -> None:
         )
     cfg_class = type(getattr(rt.model, "config", None)).__name__
     if index["model"]["config_class"] != cfg_class:
-        logger.warning("yashard: checkpoint %s was saved from a %s model, loading into a %s one (same parameters)",
-                       save_dir, index["model"]["config_class"], cfg_class)
+        if rt.comm.rank == 0:  # (one copy, as the config difference below)
+            logger.warning("yashard: checkpoint %s was saved from a %s model, loading into a %s one (same parameters)",
+                           save_dir, index["model"]["config_class"], cfg_class)
         return
     changed = config_diff(index["model"].get("config"), _config_dict(rt.model))
     if changed and rt.comm.rank == 0:

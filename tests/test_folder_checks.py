@@ -112,6 +112,15 @@ def test_a_low_precision_model_computes_in_its_dtype(pg, tmp_path, caplog):
     folder = _save(build(), tmp_path / "fp32")
     sm = yashard.from_pretrained(folder, dtype=torch.bfloat16)
     assert sm.runtime.config.param_dtype == torch.bfloat16 and sm.runtime.units[0].master.dtype == torch.float32
+    assert yashard.from_pretrained(folder).runtime.config.param_dtype == torch.float32
+    # no dtype: transformers' from_pretrained default, the folder's own dtype ("auto") from 5.0 on
+    import transformers
+
+    bf16 = _save(build().to(torch.bfloat16), tmp_path / "bf16")
+    want = torch.bfloat16 if int(transformers.__version__.split(".")[0]) >= 5 else torch.float32
+    assert yashard.from_pretrained(bf16).runtime.config.param_dtype == want
+    assert yashard.from_pretrained(bf16, dtype="auto").runtime.config.param_dtype == torch.bfloat16
+    assert yashard.from_pretrained(bf16, dtype=torch.float32).runtime.config.param_dtype == torch.float32
 
 
 def test_tie_weights_is_a_no_op_and_resizing_is_refused(pg):

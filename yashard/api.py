@@ -440,17 +440,33 @@ def shard(model: nn.Module, *, config: ShardConfig | None = None, process_group=
     return wrapped
 
 
+def _folder_dtype(hf_config) -> torch.dtype:
+    """The dtype a folder's config.json names (``dtype``, or ``torch_dtype`` before transformers 5)
+    when it is one yashard computes in (fp32, bf16, fp16); fp32 otherwise."""
+    named = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(named, str):
+        named = getattr(torch, named.removeprefix("torch."), None)
+    return named if named in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+
+
 def from_pretrained(path: str | os.PathLike, *, config: ShardConfig | None = None, process_group=None,
                     mesh=None, **model_kwargs) -> ShardedModel:
     """Build the HF causal LM of a local checkpoint folder on the meta device and shard it from the
     folder's safetensors files; no rank ever holds the full model. ``model_kwargs`` go to
     ``AutoModelForCausalLM.from_config`` (e.g. ``attn_implementation="sdpa"``); ``dtype=torch.bfloat16``
-    (or float16) computes in that dtype, as ``ShardConfig(param_dtype=...)`` does, with fp32 masters."""
+    (or float16) computes in that dtype, as ``ShardConfig(param_dtype=...)`` does, with fp32 masters.
+    Without ``dtype`` it is transformers' default for ``from_pretrained``: the folder's dtype
+    (``"auto"``) from transformers 5 on, fp32 before."""
+    import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf_config = AutoConfig.from_pretrained(os.fspath(path))
     if "torch_dtype" in model_kwargs:  # (the older name of dtype)
         model_kwargs["dtype"] = model_kwargs.pop("torch_dtype")
+    if "dtype" not in model_kwargs:
+        model_kwargs["dtype"] = "auto" if int(transformers.__version__.split(".")[0]) >= 5 else torch.float32
+    if model_kwargs["dtype"] == "auto":
+        model_kwargs["dtype"] = _folder_dtype(hf_config)
     with torch.device("meta"):  # dtype=torch.bfloat16: computes in bf16 (ShardConfig.param_dtype), fp32 masters
         model = AutoModelForCausalLM.from_config(hf_config, **{"dtype": torch.float32, **model_kwargs})
     return shard(model, config=config, process_group=process_group, mesh=mesh, weights=path)

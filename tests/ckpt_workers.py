@@ -386,24 +386,36 @@ def dcp_optimizer_scalars(rank, world) -> dict:
 def optimizer_state_dict_misuse(rank, world, root: str, mode: str):
     """opt.state_dict() of master shards carried the usual ways: ``mode`` "dcp" (dcp.save / dcp.load
     of it, then load_state_dict), "own" (each rank torch.saves its own, and loads it back), "rank0"
-    (every rank loads rank 0's file), "from2" (at another world size, the files written at world 2).
+    (every rank loads rank 0's file; "rank0_two": with a second model's shards in the optimizer,
+    "rank0_sgd": an SGD without state), "from2" (at another world size, the files written at world 2).
     The error load_state_dict raised (None if it loaded) and whether the loaded state is what this
     rank saved."""
     import torch.distributed.checkpoint as dcp
 
+    two = mode == "rank0_two"  # the optimizer also holds a second model's shards, over a one-rank shard group (last)
+
     def fresh():
         sm = yashard.shard(build())
-        return sm, torch.optim.AdamW(sm.param_groups(0.1), lr=1e-2)
+        params = list(sm.parameters())
+        if two:
+            other = yashard.shard(build(), config=yashard.ShardConfig(shard_group_size=1))
+            params += list(other.parameters())
+            sm.other = other
+        if mode == "rank0_sgd":
+            return sm, torch.optim.SGD(params, lr=1e-2)  # (no state)
+        return sm, torch.optim.AdamW(params, lr=1e-2)
 
     def step(sm, opt, seed):
         ids = batches(1, 2 * world, 8, 96, seed=seed)[0].chunk(world)[rank]
         sm(input_ids=ids, labels=ids).loss.backward()
+        if two:
+            sm.other(input_ids=ids, labels=ids).loss.backward()
         opt.step()
         opt.zero_grad()
 
     sm, opt = fresh()
     step(sm, opt, 1)
-    want = [opt.state[p]["exp_avg"].clone() for p in sm.parameters()]
+    want = [opt.state[p]["exp_avg"].clone() for p in sm.parameters()] if mode != "rank0_sgd" else []
     if mode == "dcp":
         dcp.save({"optim": opt.state_dict()}, checkpoint_id=f"{root}/dcp")
     elif mode != "from2":
@@ -416,7 +428,7 @@ def optimizer_state_dict_misuse(rank, world, root: str, mode: str):
         dcp.load(sd, checkpoint_id=f"{root}/dcp")
         sd = sd["optim"]
     else:
-        sd = torch.load(f"{root}/opt_{ {'own': rank, 'rank0': 0, 'from2': min(rank, 1)}[mode]}.pt")
+        sd = torch.load(f"{root}/opt_{ {'own': rank, 'from2': min(rank, 1)}.get(mode, 0)}.pt")
     try:
         opt2.load_state_dict(sd)
         error = None

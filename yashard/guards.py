@@ -75,49 +75,36 @@ def track(runtime, removed: dict[torch.nn.Parameter, str]) -> None:
 _TAG = "yashard_shards"  # the key optimizer state dicts of master shards carry (see below)
 
 
-def _shard_tag(optimizer) -> dict | None:
-    """What makes ``optimizer``'s state this rank's: the shard rank and world of the model whose
-    master shards it holds, which shards (unit names and sizes, in ``param_groups`` order), and one
-    exact checksum per state tensor (integer sum of its bits). None if it holds no master shard."""
-    rt, shards, sums = None, [], []
+def _shard_tag(optimizer) -> list[str] | None:
+    """Whose master shards ``optimizer`` holds: ``"<unit>:<numel>@<shard rank>/<shard world>"`` per
+    shard, in ``param_groups`` order (each shard names its own model's shard group, so an optimizer
+    over several models is tagged right). None if it holds no master shard."""
+    tag = []
     for group in optimizer.param_groups:
         for p in group["params"]:
             ref = _owners.get(p)
-            owner = ref() if ref is not None else None
-            if owner is None:
-                continue
-            rt = owner
-            unit = next(u for u in owner.units if u.master is p)
-            shards.append(f"{unit.name}:{p.numel()}")
-            for key, t in sorted(optimizer.state.get(p, {}).items()):
-                if isinstance(t, torch.Tensor) and t.numel() > 1:
-                    sums.append(_bits_sum(t))
-    if rt is None:
-        return None
-    return {"shard_rank": rt.comm.shard_rank, "shard_world": rt.comm.shard_world, "shards": shards, "checksums": sums}
-
-
-def _bits_sum(t: torch.Tensor) -> int:
-    """The integer sum of ``t``'s bits (exact and order-free, so the same on every recomputation)."""
-    flat = t.detach().reshape(-1)
-    as_int = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[flat.element_size()]
-    return int(flat.view(as_int).sum(dtype=torch.int64))
+            rt = ref() if ref is not None else None
+            if rt is not None:
+                unit = next(u for u in rt.units if u.master is p)
+                tag.append(f"{unit.name}:{p.numel()}@{rt.comm.shard_rank}/{rt.comm.shard_world}")
+    return tag or None
 
 
 def _wrap_optimizer_state_dict() -> None:
-    """Tag ``optimizer.state_dict()`` of master shards with whose they are; refuse another's at
-    ``load_state_dict``.
+    """Tag ``optimizer.state_dict()`` of master shards with whose they are; refuse another rank's or
+    another layout's at ``load_state_dict``.
 
     An optimizer of yashard master shards holds this rank's shard of every state tensor under the
     names every rank uses. Written the usual ways, one rank's state reaches another without a
     shape error: ``torch.save(opt.state_dict())`` on rank 0 loaded on every rank, or
-    ``dcp.save({"optim": opt.state_dict()})`` (DCP keeps one rank's copy of each tensor, any
-    rank's) loaded with ``dcp.load`` + ``opt.load_state_dict``. The ranks then train on other
-    ranks' moments, silently. So the dict carries :func:`_shard_tag`, and ``load_state_dict``
-    refuses a dict whose tag names another shard rank or world, other shards, or other state
-    values than the ones it holds (what DCP mixes), naming ``yashard.save_checkpoint`` /
-    ``model.sharded_optim_state_dict``; per-rank files loaded by the rank that wrote them at the
-    same world size load as before."""
+    ``dcp.save({"optim": opt.state_dict()})`` loaded with ``dcp.load`` + ``opt.load_state_dict``
+    (DCP keeps one rank's copy of each tensor, any rank's, and one rank's tag: every other shard
+    rank then refuses, so the job stops). The ranks would train on other ranks' moments, silently.
+    So the dict carries :func:`_shard_tag`, and ``load_state_dict`` refuses (before loading) a dict
+    whose tag names another shard rank or world or other shards, when it holds any state for them,
+    naming ``yashard.save_checkpoint`` / ``model.sharded_optim_state_dict``. Per-rank files loaded
+    by the rank that wrote them at the same world size load as before; so does any state over a
+    one-rank shard group (every rank's is the same)."""
     import functools
 
     from torch.optim import Optimizer
@@ -137,33 +124,40 @@ def _wrap_optimizer_state_dict() -> None:
         saved = state_dict.get(_TAG) if isinstance(state_dict, dict) else None
         if saved is not None:
             state_dict = {k: v for k, v in state_dict.items() if k != _TAG}
-        torch_load(self, state_dict)
-        mine = _shard_tag(self) if saved is not None else None
-        if mine is not None and saved != mine:
-            def where(tag):
-                numel = sum(int(s.rsplit(":", 1)[1]) for s in tag["shards"])
-                return (f"shard rank {tag['shard_rank']} of {tag['shard_world']} ({len(tag['shards'])} shards, "
-                        f"{numel:,} elements)")
-
-            if saved["shards"] != mine["shards"] or saved["shard_world"] != mine["shard_world"]:
-                what = f"it was saved at {where(saved)} and this optimizer holds {where(mine)}"
-            elif saved["shard_rank"] != mine["shard_rank"]:
-                what = f"it holds shard rank {saved['shard_rank']}'s state and this is shard rank {mine['shard_rank']}"
-            else:
-                what = ("its state tensors are not those it was saved with (torch.distributed.checkpoint keeps one "
-                        "rank's copy of each, any rank's, when every rank saves under the same names)")
-            raise ValueError(
-                f"{type(self).__name__}.load_state_dict: this state dict is another rank's or another layout's "
-                f"optimizer state of yashard master shards: {what}. opt.state_dict() holds this rank's shards only; "
-                "save and load with yashard.save_checkpoint / yashard.load_checkpoint (any world size), or put "
-                "model.sharded_optim_state_dict(opt) into dcp.save / dcp.load and then call "
-                "model.load_sharded_optim_state_dict(opt, state_dict); per-rank opt.state_dict() files work only when "
-                "each rank loads its own at the same world size. This optimizer now holds that state: load a right one "
-                "before stepping"
-            )
+            mine = _shard_tag(self)
+            if mine is not None and saved != mine and state_dict.get("state"):
+                _refuse_other_state(type(self).__name__, saved, mine)
+        return torch_load(self, state_dict)
 
     state_dict.__wrapped__, load_state_dict.__wrapped__ = torch_state_dict, torch_load
     Optimizer.state_dict, Optimizer.load_state_dict = state_dict, load_state_dict
+
+
+def _refuse_other_state(kind: str, saved: list[str], mine: list[str]) -> None:
+    def split(entry: str) -> tuple[str, str, str]:
+        shard, place = entry.rsplit("@", 1)
+        rank, world = place.split("/")
+        return shard, rank, world
+
+    theirs, ours = [split(e) for e in saved], [split(e) for e in mine]
+    if [(s, w) for s, _, w in theirs] != [(s, w) for s, _, w in ours]:
+        def layout(entries):
+            worlds = sorted({w for _, _, w in entries})
+            numel = sum(int(s.rsplit(":", 1)[1]) for s, _, _ in entries)
+            return f"{len(entries)} shards of {numel:,} elements over shard world {'/'.join(worlds)}"
+
+        what = f"it was saved from {layout(theirs)} and this optimizer holds {layout(ours)}"
+    else:
+        shard, r_saved, r_mine = next((s, a, b) for (s, a, _), (_, b, _) in zip(theirs, ours) if a != b)
+        what = (f"it holds shard rank {r_saved}'s state and this is shard rank {r_mine} ({shard.split(':')[0]}; "
+                "torch.distributed.checkpoint keeps one rank's copy of state saved under the same names on every rank)")
+    raise ValueError(
+        f"{kind}.load_state_dict: this state dict is another rank's or another layout's optimizer state of yashard "
+        f"master shards: {what}. opt.state_dict() holds this rank's shards only; save and load with "
+        "yashard.save_checkpoint / yashard.load_checkpoint (any world size), or put model.sharded_optim_state_dict(opt) "
+        "into dcp.save / dcp.load and then call model.load_sharded_optim_state_dict(opt, state_dict); per-rank "
+        "opt.state_dict() files work only when each rank loads its own at the same world size"
+    )
 
 
 def _wrap_plain_grad_scaler() -> None:
@@ -174,6 +168,7 @@ def _wrap_plain_grad_scaler() -> None:
     ``collective_timeout``, in a collective it never issues), and the ranks' weights and scales
     part. That is the usual AMP recipe (fp32 parameters, ``torch.autocast(dtype=torch.float16)``,
     ``GradScaler``), so from the first ``yashard.shard`` on, an enabled plain scaler's ``unscale_``
+    on shards of a shard group of more than one rank
     (which ``step`` calls) raises on every rank alike, at the first step, naming
     :class:`yashard.ShardedGradScaler` (the same API, with the check agreed across ranks). The
     fused-optimizer path, which skips ``unscale_``, is refused by :func:`check_loss_scaling`."""
@@ -187,8 +182,9 @@ def _wrap_plain_grad_scaler() -> None:
     def unscale_(self, optimizer):
         from .grad_scaler import ShardedGradScaler
 
+        owners = [ref() for group in optimizer.param_groups for p in group["params"] if (ref := _owners.get(p))]
         if self.is_enabled() and not isinstance(self, ShardedGradScaler) and any(
-                _owners.get(p) is not None for group in optimizer.param_groups for p in group["params"]):
+                rt is not None and rt.comm.shard_world > 1 for rt in owners):  # (one-rank shards: all alike)
             kind = ("torch.amp.GradScaler" if type(self) is GradScaler else
                     f"{type(self).__module__}.{type(self).__qualname__} (a torch.amp.GradScaler)")
             raise RuntimeError(

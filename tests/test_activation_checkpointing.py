@@ -96,3 +96,26 @@ def test_a_checkpointed_backward_after_a_no_grad_forward_or_a_second_time(pg, re
     grads = sm.full_grads()
     for name, p in ref.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "noreshard"])
+def test_a_checkpointed_forward_never_backwarded_is_freed_with_its_output(pg, reshard):
+    """The views a checkpointed layer's recompute needs live on its BackwardEntry node, with the
+    forward's graph: the modules do not hold them after the forward, so a forward that is never
+    backwarded (an evaluation without no_grad, a skipped batch) frees its graph, and a model dropped
+    after one is collected (the modules' views kept the graph, and through it the runtime, alive)."""
+    import gc
+    import weakref
+
+    ids = batches(1, 2, 16, 96)[0]
+    sm = yashard.shard(build(num_hidden_layers=4),
+                       config=yashard.ShardConfig(checkpoint_layers=4, reshard_after_forward=reshard))
+    out = sm(input_ids=ids, labels=ids)
+    hidden = weakref.ref(out.logits)
+    runtime = weakref.ref(sm.runtime)
+    del out
+    gc.collect()
+    assert hidden() is None
+    del sm
+    gc.collect()
+    assert runtime() is None

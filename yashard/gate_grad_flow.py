@@ -42,18 +42,21 @@ class BackwardEntry(torch.autograd.Function):
     once, when the gradients of all those outputs are ready and before any backward op of the unit,
     so the runtime can re-gather the unit's weights (and prefetch the next unit) in time. ``fwd_id``
     is the id of the forward that built this node, so a backward through an older forward is caught.
-    The unit is held weakly, as in :class:`GateGradFlow`.
+    ``views`` (activation-checkpointed layers: the unit's parameter views of that forward, else
+    None) live on the node, as long as the graph does, and are handed back to the unit, whose
+    recompute reads them. The unit is held weakly, as in :class:`GateGradFlow`.
     """
 
     @staticmethod
-    def forward(ctx, unit, fwd_id, *outputs):  # noqa: D102
+    def forward(ctx, unit, fwd_id, views, *outputs):  # noqa: D102
         ctx.unit = weakref.ref(unit)
         ctx.fwd_id = fwd_id
+        ctx.views = views
         return outputs
 
     @staticmethod
     def backward(ctx, *grads):  # noqa: D102
         unit = ctx.unit()
         if unit is not None:
-            unit.on_backward_start(ctx.fwd_id)
-        return (None, None, *grads)
+            unit.on_backward_start(ctx.fwd_id, ctx.views)
+        return (None, None, None, *grads)

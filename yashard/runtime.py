@@ -663,6 +663,16 @@ class Runtime:
             unit.remove_views()
         if not torch.is_grad_enabled():
             return None
+        # a checkpointed layer's views of this forward: kept by its BackwardEntry node, so by the
+        # forward's graph and no longer, and put back when its backward starts; the modules hold
+        # none meanwhile (a forward that is never backwarded frees its graph with its output)
+        views, unit.backward_views = unit.backward_views, None
+        if views is not None and unit.views_until is not None:
+            unit.remove_views()
+        elif unit.views_until is None and (unit.kind == "layer" or unit is self.lm_head):
+            # (the slot is the unit's own: its weights stay readable, as plain views, so the modules
+            # do not keep this forward's graph alive; nothing else reads them in this forward)
+            unit.install_views(None)
         flat, spec = tree_flatten(output)
         if self.config.on_nonfinite != "ignore":  # which unit first produced a NaN/inf (step_checks)
             first = next((x for x in flat if isinstance(x, torch.Tensor) and x.is_floating_point()), None)
@@ -673,7 +683,7 @@ class Runtime:
         idx = [i for i, x in enumerate(flat) if _is_diff_tensor(x)]
         if not idx:
             return None
-        outs = BackwardEntry.apply(unit, self.grad_fwd_id, *[flat[i] for i in idx])
+        outs = BackwardEntry.apply(unit, self.grad_fwd_id, views, *[flat[i] for i in idx])
         for i, o in zip(idx, outs):
             flat[i] = o
         return tree_unflatten(flat, spec)
@@ -699,7 +709,7 @@ class Runtime:
                 u.unreduced = False
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
-    def on_unit_backward_start(self, unit: Unit, fwd_id: int) -> None:
+    def on_unit_backward_start(self, unit: Unit, fwd_id: int, views: list | None = None) -> None:
         self.begin_backward()
         if fwd_id != self.grad_fwd_id:
             raise OrderError(
@@ -721,8 +731,8 @@ class Runtime:
                 )
             self._bwd_last_layer = unit.index
         self._ensure_gathered(unit)
-        if unit.keep_backward_views:  # (an activation-checkpointed layer) before the recompute reads them
-            unit.restore_backward_views()
+        if views is not None:  # (an activation-checkpointed layer) before the recompute reads them
+            unit.restore_backward_views(views)
             if self.small is not None:
                 self.small.restore_backward_views()
         nxt = self._next_backward(unit)

@@ -101,15 +101,18 @@ class Unit:
         if token is not None and self.keep_backward_views:
             self.backward_views = views
 
-    def restore_backward_views(self) -> None:
-        """Put back the views of the last grad-enabled forward (activation-checkpointed layers, when
-        their backward starts): the recompute must build its graph on them (so gradients reach the
-        grad slot through ``Narrow``), and a no-grad forward since (an evaluation, ``generate()``)
-        installed plain views, or the end of a backward took them off (``retain_graph=True``, then a
-        second backward). They show the same slot range the backward re-gathered the unit into."""
-        if self.backward_views is None:
+    def restore_backward_views(self, views: list[torch.Tensor] | None = None) -> None:
+        """Put back the views of a grad-enabled forward (``views``, else the last ones kept): when an
+        activation-checkpointed layer's backward starts, the recompute must build its graph on them
+        (so gradients reach the grad slot through ``Narrow``), and a no-grad forward since (an
+        evaluation, ``generate()``) installed plain views, or the end of a backward took them off
+        (``retain_graph=True``, then a second backward). They show the same slot range the backward
+        re-gathered the unit into. A layer's views are kept by its ``BackwardEntry`` node (as long
+        as that forward's graph lives), the norm group's (from a leaf token: no graph) here."""
+        views = self.backward_views if views is None else views
+        if views is None:
             return
-        for view, locs in zip(self.backward_views, self.locations):
+        for view, locs in zip(views, self.locations):
             for module, attr in locs:
                 module.__dict__[attr] = view
 
@@ -158,9 +161,10 @@ class Unit:
         """``GateGradFlow.backward``: all of this unit's gradients are in the grad slot."""
         self.rt.on_unit_grads_complete(self)
 
-    def on_backward_start(self, fwd_id: int) -> None:
-        """``BackwardEntry.backward``: gradients of this unit's outputs (of forward ``fwd_id``) are ready."""
-        self.rt.on_unit_backward_start(self, fwd_id)
+    def on_backward_start(self, fwd_id: int, views: list[torch.Tensor] | None = None) -> None:
+        """``BackwardEntry.backward``: gradients of this unit's outputs (of forward ``fwd_id``) are
+        ready; ``views``: its parameter views of that forward (activation-checkpointed layers)."""
+        self.rt.on_unit_backward_start(self, fwd_id, views)
 
 
 def same_named_subclass(cls: type, cache: dict, members: dict) -> type:

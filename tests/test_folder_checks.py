@@ -121,6 +121,10 @@ def test_a_low_precision_model_computes_in_its_dtype(pg, tmp_path, caplog):
     assert yashard.from_pretrained(bf16).runtime.config.param_dtype == want
     assert yashard.from_pretrained(bf16, dtype="auto").runtime.config.param_dtype == torch.bfloat16
     assert yashard.from_pretrained(bf16, dtype=torch.float32).runtime.config.param_dtype == torch.float32
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="yashard"):  # a config names the dtype: nothing to warn about
+        sm = yashard.from_pretrained(bf16, config=yashard.ShardConfig(checkpoint_layers=1))
+    assert sm.runtime.config.param_dtype == torch.float32 and "param_dtype" not in caplog.text
 
 
 def test_tie_weights_is_a_no_op_and_resizing_is_refused(pg):

@@ -121,3 +121,31 @@ def test_zeropp_weight_options_at_one_rank_are_warned(pg, caplog, kw, said):
     with caplog.at_level(logging.WARNING, logger="yashard"):
         yashard.shard(build(), config=yashard.ShardConfig(**kw))
     assert "over a one-rank shard group nothing is gathered, yet " + said in caplog.text
+
+
+def test_a_compression_hook_on_16_bit_gradients_needs_nothing_at_one_rank(pg):
+    """bf16 gradients through bf16_compress_hook take the default hook's path: over one rank that
+    is the buffer itself, so no reduce output is planned or allocated (it was, at the first backward,
+    outside the plan)."""
+    from yashard.comm_hooks import bf16_compress_hook
+
+    sm = yashard.shard(build(), config=yashard.ShardConfig(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16))
+    sm.register_comm_hook(None, bf16_compress_hook)
+    plan = sm.memory_plan()
+    ids = batches(1, 2, 8, sm.module.config.vocab_size)[0]
+    sm(input_ids=ids, labels=ids).loss.backward()
+    assert sm.memory_plan() == plan and sm.runtime.reduce_out is None
+
+
+def test_a_plain_grad_scaler_works_over_a_one_rank_shard_group(pg):
+    """Every rank holds whole gradients there (reduced alike), so torch.amp.GradScaler's per-rank
+    check agrees across ranks: it is not refused (it is over a shard group of several ranks)."""
+    sm = yashard.shard(build())
+    opt = torch.optim.SGD(sm.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    ids = batches(1, 2, 8, sm.module.config.vocab_size)[0]
+    before = [p.detach().clone() for p in sm.parameters()]
+    scaler.scale(sm(input_ids=ids, labels=ids).loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == 8.0 and not all(torch.equal(b, p) for b, p in zip(before, sm.parameters()))

@@ -455,16 +455,17 @@ def from_pretrained(path: str | os.PathLike, *, config: ShardConfig | None = Non
     folder's safetensors files; no rank ever holds the full model. ``model_kwargs`` go to
     ``AutoModelForCausalLM.from_config`` (e.g. ``attn_implementation="sdpa"``); ``dtype=torch.bfloat16``
     (or float16) computes in that dtype, as ``ShardConfig(param_dtype=...)`` does, with fp32 masters.
-    Without ``dtype`` it is transformers' default for ``from_pretrained``: the folder's dtype
-    (``"auto"``) from transformers 5 on, fp32 before."""
+    Without ``dtype`` it is ``config.param_dtype`` when a ``config`` is given, else transformers'
+    default for ``from_pretrained``: the folder's dtype (``"auto"``) from transformers 5 on, fp32 before."""
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf_config = AutoConfig.from_pretrained(os.fspath(path))
     if "torch_dtype" in model_kwargs:  # (the older name of dtype)
         model_kwargs["dtype"] = model_kwargs.pop("torch_dtype")
-    if "dtype" not in model_kwargs:
-        model_kwargs["dtype"] = "auto" if int(transformers.__version__.split(".")[0]) >= 5 else torch.float32
+    if "dtype" not in model_kwargs:  # a ShardConfig given names the compute dtype itself
+        model_kwargs["dtype"] = (config.param_dtype if isinstance(config, ShardConfig) else
+                                 "auto" if int(transformers.__version__.split(".")[0]) >= 5 else torch.float32)
     if model_kwargs["dtype"] == "auto":
         model_kwargs["dtype"] = _folder_dtype(hf_config)
     with torch.device("meta"):  # dtype=torch.bfloat16: computes in bf16 (ShardConfig.param_dtype), fp32 masters

@@ -157,9 +157,10 @@ noop_hook.workspace_plan = lambda state, comm, numel, dtype: []
 
 def _compress_hook(dtype: torch.dtype):
     def hook(state: Any, bucket: GradBucket) -> WorkFuture:
-        buf, out = bucket.buffer(), bucket.output()
+        buf = bucket.buffer()
         if buf.dtype == dtype:
             return reduce_scatter_hook(state, bucket)
+        out = bucket.output()  # (not before: over one rank the default hook needs none)
         tag = str(dtype).replace("torch.", "")
         # One pair for every bucket: the previous reduction finished before this hook runs (R6).
         low = bucket.workspace(f"{tag}_compress.in", buf.numel(), dtype)

@@ -282,21 +282,29 @@ def layers_bf16_hook(state, bucket):
     return hook(state, bucket)
 
 
+def _steps(sm, opt, rank: int, world: int, *, first: int, count: int) -> None:
+    """Training steps ``first .. first + count - 1`` of a 2-sequences-per-rank run."""
+    from models import batches
+
+    for ids in batches(first + count, 2 * world, 8, 96)[first:]:
+        ids = ids.chunk(world)[rank]
+        sm(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def mixed_hook_buffers(rank: int, world: int) -> list:
     """Data pointers of every buffer the runtime holds after each of 3 steps with a hook that mixes the
     default hook's fp32 scratch with bf16 compression (gloo at 3 ranks needs reduce-scatter scratch)."""
     import yashard
-    from models import batches, build
+    from models import build
 
     sm = yashard.shard(build())
     sm.register_comm_hook(None, layers_bf16_hook)
     opt = torch.optim.AdamW(sm.parameters(), lr=1e-3)
     seen = []
-    for ids in batches(3, 2 * world, 8, 96):
-        ids = ids.chunk(world)[rank]
-        sm(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad()
+    for step in range(3):
+        _steps(sm, opt, rank, world, first=step, count=1)
         held = sm.runtime.allocated_tensors()
         seen.append(({k: t.data_ptr() for k, t in held.items()},
                      sm.memory_plan().total_bytes == sum(t.numel() * t.element_size() for t in held.values())))
@@ -318,7 +326,7 @@ def planned_hook_memory(rank: int, world: int) -> dict:
     import logging
 
     import yashard
-    from models import batches, build
+    from models import build
 
     class Grab(logging.Handler):
         def emit(self, record):
@@ -338,12 +346,7 @@ def planned_hook_memory(rank: int, world: int) -> dict:
             state = comm_hooks.QgzState(sm, ranks_per_node=1, block=64) if name == "qgz" else None
             sm.register_comm_hook(state, hook)
         before = sm.memory_plan()
-        opt = torch.optim.AdamW(sm.parameters(), lr=1e-3)
-        for ids in batches(2, 2 * world, 8, 96):
-            ids = ids.chunk(world)[rank]
-            sm(input_ids=ids, labels=ids).loss.backward()
-            opt.step()
-            opt.zero_grad()
+        _steps(sm, torch.optim.AdamW(sm.parameters(), lr=1e-3), rank, world, first=0, count=2)
         held = sm.runtime.allocated_tensors()
         out[name] = dict(before=before.total_bytes, after=sm.memory_plan().total_bytes,
                          held=sum(t.numel() * t.element_size() for t in held.values()),

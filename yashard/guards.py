@@ -75,8 +75,8 @@ def track(runtime, removed: dict[torch.nn.Parameter, str]) -> None:
 _TAG = "yashard_shards"  # the key optimizer state dicts of master shards carry (see below)
 
 
-def _shard_tag(optimizer) -> list[str] | None:
-    """Whose master shards ``optimizer`` holds: ``"<unit>:<numel>@<shard rank>/<shard world>"`` per
+def _shard_tag(optimizer) -> list[list] | None:
+    """Whose master shards ``optimizer`` holds: ``[unit name, numel, shard rank, shard world]`` per
     shard, in ``param_groups`` order (each shard names its own model's shard group, so an optimizer
     over several models is tagged right). None if it holds no master shard."""
     tag = []
@@ -86,7 +86,7 @@ def _shard_tag(optimizer) -> list[str] | None:
             rt = ref() if ref is not None else None
             if rt is not None:
                 unit = next(u for u in rt.units if u.master is p)
-                tag.append(f"{unit.name}:{p.numel()}@{rt.comm.shard_rank}/{rt.comm.shard_world}")
+                tag.append([unit.name, p.numel(), rt.comm.shard_rank, rt.comm.shard_world])
     return tag or None
 
 
@@ -133,23 +133,16 @@ def _wrap_optimizer_state_dict() -> None:
     Optimizer.state_dict, Optimizer.load_state_dict = state_dict, load_state_dict
 
 
-def _refuse_other_state(kind: str, saved: list[str], mine: list[str]) -> None:
-    def split(entry: str) -> tuple[str, str, str]:
-        shard, place = entry.rsplit("@", 1)
-        rank, world = place.split("/")
-        return shard, rank, world
+def _refuse_other_state(kind: str, saved: list[list], mine: list[list]) -> None:
+    if [(n, k, w) for n, k, _, w in saved] != [(n, k, w) for n, k, _, w in mine]:
+        def layout(tag):
+            worlds = "/".join(str(w) for w in sorted({w for *_, w in tag}))
+            return f"{len(tag)} shards of {sum(k for _, k, _, _ in tag):,} elements over shard world {worlds}"
 
-    theirs, ours = [split(e) for e in saved], [split(e) for e in mine]
-    if [(s, w) for s, _, w in theirs] != [(s, w) for s, _, w in ours]:
-        def layout(entries):
-            worlds = sorted({w for _, _, w in entries})
-            numel = sum(int(s.rsplit(":", 1)[1]) for s, _, _ in entries)
-            return f"{len(entries)} shards of {numel:,} elements over shard world {'/'.join(worlds)}"
-
-        what = f"it was saved from {layout(theirs)} and this optimizer holds {layout(ours)}"
+        what = f"it was saved from {layout(saved)} and this optimizer holds {layout(mine)}"
     else:
-        shard, r_saved, r_mine = next((s, a, b) for (s, a, _), (_, b, _) in zip(theirs, ours) if a != b)
-        what = (f"it holds shard rank {r_saved}'s state and this is shard rank {r_mine} ({shard.split(':')[0]}; "
+        name, r_saved, r_mine = next((n, a, b) for (n, _, a, _), (_, _, b, _) in zip(saved, mine) if a != b)
+        what = (f"it holds shard rank {r_saved}'s state and this is shard rank {r_mine} ({name}; "
                 "torch.distributed.checkpoint keeps one rank's copy of state saved under the same names on every rank)")
     raise ValueError(
         f"{kind}.load_state_dict: this state dict is another rank's or another layout's optimizer state of yashard "
@@ -168,8 +161,8 @@ def _wrap_plain_grad_scaler() -> None:
     ``collective_timeout``, in a collective it never issues), and the ranks' weights and scales
     part. That is the usual AMP recipe (fp32 parameters, ``torch.autocast(dtype=torch.float16)``,
     ``GradScaler``), so from the first ``yashard.shard`` on, an enabled plain scaler's ``unscale_``
-    on shards of a shard group of more than one rank
-    (which ``step`` calls) raises on every rank alike, at the first step, naming
+    (which ``step`` calls) on shards of a shard group of several ranks raises on every rank alike,
+    at the first step, naming
     :class:`yashard.ShardedGradScaler` (the same API, with the check agreed across ranks). The
     fused-optimizer path, which skips ``unscale_``, is refused by :func:`check_loss_scaling`."""
     import functools

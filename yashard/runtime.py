@@ -667,7 +667,7 @@ class Runtime:
         # forward's graph and no longer, and put back when its backward starts; the modules hold
         # none meanwhile (a forward that is never backwarded frees its graph with its output)
         views, unit.backward_views = unit.backward_views, None
-        if views is not None and unit.views_until is not None:
+        if unit.views_until == "backward":
             unit.remove_views()
         elif unit.views_until is None and (unit.kind == "layer" or unit is self.lm_head):
             # (the slot is the unit's own: its weights stay readable, as plain views, so the modules

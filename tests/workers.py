@@ -22,6 +22,8 @@ DEFAULTS = dict(
     mesh=None,  # rows of ranks: a 2-D (replicate, shard) DeviceMesh; one row: a 1-D mesh
     no_sync=False,  # every micro-batch but the last runs forward and backward inside sm.no_sync()
     no_grad_step=False,  # the optimizer steps under torch.no_grad() (its post-hook gathers there)
+    compile=None,  # (what, backend): torch.compile "layers" (module.compile), "forwards" (each layer's
+    # forward function, fullgraph=True) or "model" (the ShardedModel), with that Dynamo backend
 )
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -82,6 +84,40 @@ def _model(s):
     return model
 
 
+def _compile(sm, how) -> tuple:
+    """``sm``'s forward under ``torch.compile`` as the scenario says, and a dict that counts the
+    graphs Dynamo captures and collects the yashard functions their nodes were traced in
+    ("file.py:function"), filled as it compiles."""
+    if how is None:
+        return sm, {}
+    import os
+
+    from torch._dynamo.backends.registry import lookup_backend
+
+    what, backend = how
+    torch._dynamo.reset()  # (graphs of earlier scenarios in this process)
+    pkg = os.path.dirname(yashard.__file__) + os.sep
+    traced = {"graphs": 0, "yashard_code": set()}
+
+    def recording(gm, example_inputs):
+        traced["graphs"] += 1
+        for node in gm.graph.nodes:
+            for line in (node.meta.get("stack_trace") or "").splitlines():
+                if pkg in line:  # 'File "<pkg>/runtime.py", line 12, in _enter' -> "runtime.py:_enter"
+                    where = line.split('"')[1].removeprefix(pkg) + ":" + line.rsplit(" in ", 1)[-1].strip()
+                    traced["yashard_code"].add(where)
+        return lookup_backend(backend)(gm, example_inputs)
+
+    if what == "model":
+        return torch.compile(sm, backend=recording), traced
+    for layer in sm.model.layers:
+        if what == "layers":
+            layer.compile(backend=recording)
+        else:
+            layer.forward = torch.compile(layer.forward, backend=recording, fullgraph=True)
+    return sm, traced
+
+
 def run_sharded(rank: int, world: int, s: dict) -> dict:
     model = _model(s)
     vocab = model.config.vocab_size
@@ -97,6 +133,7 @@ def run_sharded(rank: int, world: int, s: dict) -> dict:
     sm = yashard.shard(model, config=cfg, mesh=mesh)
     if s["hook"] is not None:
         _register_hook(sm, s["hook"], s["hook_kw"])
+    fwd, traced = _compile(sm, s["compile"])
     comm = sm.runtime.comm
     groups = {k: dist.get_process_group_ranks(g) if g is not None else None
               for k, g in (("shard", comm.shard_group), ("replica", comm.replica_group),
@@ -112,7 +149,7 @@ def run_sharded(rank: int, world: int, s: dict) -> dict:
         micros = local.chunk(s["accum"])
         for i, micro in enumerate(micros):
             with sm.no_sync() if s["no_sync"] and i < len(micros) - 1 else contextlib.nullcontext():
-                out = sm(input_ids=micro, labels=micro)
+                out = fwd(input_ids=micro, labels=micro)
                 logged.extend(("fwd", *r) for r in log.records)
                 log.clear()
                 (out.loss / s["accum"]).backward()
@@ -135,6 +172,7 @@ def run_sharded(rank: int, world: int, s: dict) -> dict:
         ptrs.append({k: t.data_ptr() for k, t in sm.runtime.allocated_tensors().items()})
     params = sm.full_state_dict()
     return dict(losses=losses, norms=norms, grads=grads, params=params, ptrs=ptrs, log=logged, groups=groups,
+                traced={k: sorted(v) if isinstance(v, set) else v for k, v in traced.items()},
                 plan=sm.memory_plan().total_bytes,
                 allocated=sum(t.numel() * t.element_size() for t in sm.runtime.allocated_tensors().values()))
 

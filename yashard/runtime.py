@@ -371,8 +371,8 @@ class Runtime:
 
     def _install_hooks(self, spec: ModelSpec) -> None:
         model = self.model
-        self._hooks.append(model.register_forward_pre_hook(self._root_pre_forward))
-        self._hooks.append(model.register_forward_hook(self._root_post_forward, always_call=True))
+        self._hooks.append(model.register_forward_pre_hook(_opaque(self._root_pre_forward)))
+        self._hooks.append(model.register_forward_hook(_opaque(self._root_post_forward), always_call=True))
         modules = {"embed": get_path(model, spec.embed), "lm_head": get_path(model, spec.lm_head)}
         layer_modules = get_path(model, spec.layers)
         ckpt = self.config.checkpoint_layers
@@ -383,8 +383,9 @@ class Runtime:
                     module.forward = functools.partial(_checkpointed_forward, module.forward)
             else:
                 module = modules[unit.name]
-            self._hooks.append(module.register_forward_pre_hook(functools.partial(self._pre_forward, unit), with_kwargs=True))
-            self._hooks.append(module.register_forward_hook(functools.partial(self._post_forward, unit)))
+            self._hooks.append(module.register_forward_pre_hook(_opaque(functools.partial(self._pre_forward, unit)),
+                                                                with_kwargs=True))
+            self._hooks.append(module.register_forward_hook(_opaque(functools.partial(self._post_forward, unit))))
 
     # ------------------------------------------------------------------ gathers (R1, R2)
     def gather(self, unit: Unit) -> None:
@@ -1225,6 +1226,16 @@ def _other_sharding(model: nn.Module) -> str | None:
 
 
 _MARKED_CLASSES: dict[type, type] = {}
+
+
+def _opaque(hook):
+    """A forward hook that ``torch.compile`` runs as it is, outside any graph.
+
+    The hooks gather, install views, issue collectives and move the runtime's state on: Python
+    side effects that Dynamo would either trace into (recompiling per layer, since each unit is
+    another object) or break on anyway. Disabled, each is one clean graph break, and the module
+    bodies between them (a decoder layer's forward) compile on the views the hook installed."""
+    return torch.compiler.disable(hook)
 
 
 def _refuse_freezing(self, requires_grad: bool = True):

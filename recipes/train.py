@@ -71,6 +71,7 @@ class TrainConfig:
     clip: float = field(default=1.0, metadata={"help": "global grad-norm clip (<= 0: no clipping)"})
     param_dtype: str = field(default="fp32", metadata={"help": "compute dtype (fp16: with dynamic loss scaling)", "choices": tuple(DTYPES)})
     checkpoint_layers: int = field(default=0, metadata={"help": "decoder layers with activation checkpointing"})
+    compile: bool = field(default=False, metadata={"help": "torch.compile each decoder layer (inductor; on CPU it needs a C++ compiler); yashard's hooks run eagerly between the compiled layers"})
     reshard_after_forward: bool = field(default=True, metadata={"help": "false: every unit keeps its own buffers (the model's size per rank), gathered once per step; accumulation reduces once per step (no_sync)"})
     eval_every: int = field(default=10, metadata={"help": "eval every N steps (<= 0: only at the end)"})
     eval_batches: int = field(default=4, metadata={"help": "held-out batches (micro_batch per rank) per eval"})
@@ -489,6 +490,9 @@ def setup(cfg: TrainConfig) -> Session:
     model = yashard.shard(hf_model, weights=model_path, config=yashard.ShardConfig(
         param_dtype=DTYPES[cfg.param_dtype], reduce_dtype=torch.float32,
         checkpoint_layers=cfg.checkpoint_layers, reshard_after_forward=cfg.reshard_after_forward))
+    if cfg.compile:
+        for layer in model.model.layers:  # (compiled on first use; every layer shares the graphs)
+            layer.compile()
     # fused: one kernel per flat shard and no temporaries (single-tensor AdamW, torch's default on
     # CPU, makes two shard-sized ones and ran 6-9x slower on a 60 MiB shard; docs/benchmarks.md)
     opt = torch.optim.AdamW(model.param_groups(weight_decay=cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95),

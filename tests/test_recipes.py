@@ -11,6 +11,7 @@ import math
 import os
 import random
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -204,6 +205,23 @@ def test_pretrain_without_resharding_follows_the_default_run(pretrain_run, tmp_p
     for key in ("loss", "grad_norm", "eval_loss"):
         a, b = [r.get(key) for r in got if key in r], [r.get(key) for r in want if key in r]
         assert a == pytest.approx(b, rel=1e-4), (key, a, b)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="inductor on CPU needs a C++ compiler")
+def test_pretrain_with_compiled_layers_follows_the_default_run(pretrain_run, tmp_path):
+    """--compile true: every decoder layer under torch.compile (inductor) logs the default run's
+    losses, grad norms and eval losses, to the rounding inductor's fused kernels change."""
+    full_out, _ = pretrain_run
+    (tmp_path / "config.json").write_text(json.dumps(TINY_CONFIG))
+    out = tmp_path / "out"
+    run_recipe("pretrain.py", "--config", str(tmp_path / "config.json"), "--steps", str(PRETRAIN_STEPS),
+               "--eval-every", "8", "--save-every", "0", "--out-dir", str(out), "--compile", "true", *PRETRAIN_ARGS)
+    got, want = read_log(out / "log.jsonl"), read_log(full_out / "log.jsonl")
+    assert [r["step"] for r in got] == list(range(1, PRETRAIN_STEPS + 1))
+    for key in ("loss", "grad_norm", "eval_loss"):
+        a, b = [r.get(key) for r in got if key in r], [r.get(key) for r in want if key in r]
+        assert a and a == pytest.approx(b, rel=1e-3), (key, a, b)
 
 
 def test_soak_refuses_a_world_of_zero(tmp_path, capsys):

@@ -105,6 +105,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"comma list out of {','.join(be.ENGINES)} (plain: world 1 only; default: all but plain)")
     p.add_argument("--optimizer", choices=be.OPTIMIZERS, default="adamw",
                    help="AdamW implementation of every engine: torch's default (single-tensor on CPU), foreach or fused")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile (inductor) every decoder layer of every engine (DeepSpeed is not run)")
     p.add_argument("--seed", type=int, default=0, help="seed of the initial weights (same for every engine)")
     p.add_argument("--malloc", choices=("returning", "glibc"), default="returning",
                    help="CPU only. returning (default): glibc serves blocks over 64 KiB with fresh mmaps and returns "
@@ -188,6 +190,8 @@ def prime(shape: dict, args, device, vocab: int) -> None:
     engine's built last."""
     model = be.build_model(shape, args.seed).to(device)
     opt = be.make_adamw(be.split_params(model.parameters()), args)
+    if args.compile:  # (and, with --compile, inductor's imports, caches and first compilation)
+        be.compile_layers(be.Engine("prime", "", model, None, None))
     ids = be.global_batch(0, args.micro_batch, shape["seq"], vocab).to(device)
     model(input_ids=ids, labels=ids).loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), be.CLIP)
@@ -274,6 +278,8 @@ def run_compare(args, device) -> dict:
         mem.reset_peak()
         try:
             eng, error = be.SETUP[name](args, device, shape), None
+            if args.compile:
+                be.compile_layers(eng)
         except Exception as exc:  # noqa: BLE001 - an engine this setup cannot run is reported, not fatal
             eng, error = None, f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
         errors = [None] * world

@@ -9,6 +9,7 @@ the tables and the command-line errors.
 from __future__ import annotations
 
 import math
+import shutil
 import sys
 from pathlib import Path
 
@@ -286,6 +287,23 @@ def test_plain_engine_at_world_1_and_its_error_beyond():
     out = _bench(2, "--engines", "plain,ddp")
     assert ("| plain | not run: ValueError: the plain engine trains the unwrapped model on one process, but the "
             "world has 2 ranks: run it with torchrun --nproc_per_node 1 |") in out, out
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="inductor on CPU needs a C++ compiler")
+def test_compile_puts_every_engines_layers_under_torch_compile():
+    """--compile: every engine's decoder layers run compiled (its note says so) and still match the
+    reference at step 1; DeepSpeed, which compiles its own way, is reported as not run."""
+    import re
+
+    out = _bench(2, "--engines", "yashard,ddp,deepspeed", "--compile")
+    for name in ("yashard", "ddp"):
+        row = next(line for line in out.splitlines() if line.startswith(f"| {name} |"))
+        assert "decoder layers under torch.compile (inductor)" in row, row
+        loss_diff = float(row.split("|")[-3])
+        assert abs(loss_diff) < 1e-4, row
+    assert re.search(r"\| deepspeed \| (not run: ValueError: --compile: DeepSpeed ZeRO-3 compiles through "
+                     r"engine\.compile\(\)|.*not installed)", out), out
 
 
 def test_every_engine_gets_the_optimizer_asked_for():

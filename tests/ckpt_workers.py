@@ -436,3 +436,40 @@ def optimizer_state_dict_misuse(rank, world, root: str, mode: str):
         error = str(e)
     same = mode != "from2" and all(torch.equal(opt2.state[p]["exp_avg"], w) for p, w in zip(sm2.parameters(), want))
     return error, same
+
+
+def load_while_a_save_commits(rank, world, root: str) -> dict:
+    """Two saves into ``root``, the older one restored after the newer one's cleanup removed it, and
+    rank 1 made to find the older one (as if it read LATEST just before the newer save committed):
+    every rank must load the same, newest save."""
+    import logging
+    import shutil
+    from pathlib import Path
+
+    from yashard import checkpoint as ck
+
+    sm, opt = _setup(segment())
+    old = yashard.save_checkpoint(root, sm, opt, extra={"step": 1})
+    dist.barrier()
+    if rank == 0:
+        shutil.copytree(old, Path(root).parent / "kept")
+    dist.barrier()
+    with torch.no_grad():
+        for p in sm.parameters():
+            p.add_(1.0)
+    new = yashard.save_checkpoint(root, sm, opt, extra={"step": 2})
+    dist.barrier()
+    if rank == 0:
+        assert not old.exists()
+        shutil.copytree(Path(root).parent / "kept", old)
+    dist.barrier()
+    if rank == 1:
+        ck.resolve_checkpoint = lambda path: old
+    warned = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warned.append(record.getMessage())
+    logging.getLogger("yashard").addHandler(handler)
+    sm2, opt2 = _setup(segment(seed=3))
+    extra = yashard.load_checkpoint(root, sm2, opt2)
+    same = all(torch.equal(u.master, u2.master) for u, u2 in zip(sm.runtime.units, sm2.runtime.units))
+    return dict(extra=extra, same=same, warned=warned, old=old.name, new=new.name)

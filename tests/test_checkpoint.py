@@ -22,7 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import yashard
-from ckpt_workers import (DCP_MODELS, dcp_optimizer_scalars, optimizer_state_dict_misuse, save_misuse, EXPORT_LIMIT, dcp_async_save, dcp_load, dcp_load_named, dcp_save,
+from ckpt_workers import (DCP_MODELS, load_while_a_save_commits, dcp_optimizer_scalars, optimizer_state_dict_misuse, save_misuse, EXPORT_LIMIT, dcp_async_save, dcp_load, dcp_load_named, dcp_save,
                           dcp_train_resume, fsdp2_dcp, fsdp2_train_save_continue, run_segments, save_then_killed_save,
                           segment, yashard_load_continue)
 from harness import run_distributed as launch, run_until_exit
@@ -550,6 +550,31 @@ def test_error_missing_rank_file(saved):
     with pytest.raises(CheckpointError, match=r"is missing shard-00000-of-00001\.safetensors \(written by shard rank 0 "
                                               r"of 1\); restore that file or load an earlier checkpoint"):
         yashard.load_checkpoint(root, _fresh()[0])
+
+
+def test_ranks_that_find_different_saves_all_load_the_newest(tmp_path):
+    """Each rank follows LATEST on its own: a save committing while the ranks read it made them load
+    two different complete saves, silently. They now agree on the newest, with a warning."""
+    out = launch(load_while_a_save_commits, 2, str(tmp_path / "ck"))
+    for r in out:
+        assert r["extra"] == {"step": 2} and r["same"], r
+    old, new = out[0]["old"], out[0]["new"]
+    assert [m for m in out[0]["warned"] if f"found different committed saves under {tmp_path / 'ck'} ({old}, {new})"
+            in m and m.endswith(f"every rank loads the newest, {new}")], out[0]["warned"]
+    assert not out[1]["warned"]  # (said once, by rank 0)
+
+
+def test_a_save_removed_by_a_newer_save_while_loading_says_so(saved, monkeypatch):
+    root, save_dir = saved
+    monkeypatch.setattr(yashard.checkpoint, "_agreed_save_dir", lambda comm, path: save_dir)  # LATEST read first
+    (root / "LATEST").write_text("save-000009-0123abcd\n")  # then a newer save commits and removes this one
+    (save_dir / "shard-00000-of-00001.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"lost shard-00000-of-00001\.safetensors while it was being loaded: a "
+                                              r"save_checkpoint into .* committed save-000009-0123abcd meanwhile"):
+        yashard.load_checkpoint(root, _fresh()[0])
+    # loading that save directory by name, the file is simply missing
+    with pytest.raises(CheckpointError, match=r"is missing shard-00000-of-00001\.safetensors \(written by shard rank 0"):
+        yashard.load_checkpoint(save_dir, _fresh()[0])
 
 
 def test_error_truncated_and_garbage_files(saved):

@@ -577,6 +577,15 @@ def save_checkpoint(path: str | os.PathLike, model, optimizer: torch.optim.Optim
 # Load
 
 
+def _pointer_now(root: Path) -> str | None:
+    """The save directory ``root/LATEST`` names right now, or None (no readable pointer)."""
+    try:
+        name = (root / POINTER).read_text(encoding="utf-8").strip()
+    except OSError:
+        return None
+    return name if SAVE_DIR_RE.match(name) else None
+
+
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
     """The committed save directory that ``path`` (a checkpoint root or a save directory) refers to."""
     p = Path(path)
@@ -762,6 +771,7 @@ class _Files:
         self.dir, self.index, self.stack = save_dir, index, stack
         self.handles: dict[str, Any] = {}
         self.verified: set[tuple[str, int]] = set()  # pieces whose checksum was read and matched
+        self.via_pointer = False  # the save was found through its root's LATEST
 
     def get(self, fname: str):
         if fname in self.handles:
@@ -771,6 +781,13 @@ class _Files:
         f = self.dir / fname
         rec = self.index["files"][fname]
         if not f.is_file():
+            now = _pointer_now(self.dir.parent)
+            if now is not None and now != self.dir.name and (self.via_pointer or not self.dir.is_dir()):
+                raise CheckpointError(
+                    f"checkpoint {self.dir} lost {fname} while it was being loaded: a save_checkpoint into "
+                    f"{self.dir.parent} committed {now} meanwhile and removed the older save; load again (LATEST "
+                    "names the new one), and do not save into a directory another job is loading from"
+                )
             raise CheckpointError(
                 f"checkpoint {self.dir} is missing {fname} (written by shard rank {rec['shard_rank']} of "
                 f"{self.index['shard_world']}); restore that file or load an earlier checkpoint"
@@ -842,14 +859,15 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer: torch.optim.Optim
     """
     rt = _runtime(model, "load_checkpoint")
     comm = rt.comm
+    save_dir = _agreed_save_dir(comm, path)
     with contextlib.ExitStack() as stack:
         err = None
         try:
-            save_dir = resolve_checkpoint(path)
             index = read_index(save_dir)
             _check_model(index, rt, save_dir)
             _check_optimizer(index, optimizer, rt, save_dir)
             files = _Files(save_dir, index, stack)
+            files.via_pointer = Path(path).resolve() != save_dir.resolve()  # (followed LATEST)
             plan = _plan_reads(index, rt, comm.shard_rank)
             opt_state = (index["optimizer"] or {}).get("state", {}) if optimizer is not None else {}
             for unit, reads in plan.items():
@@ -872,6 +890,28 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer: torch.optim.Optim
             err = e
         _agree(comm, "load_checkpoint", err)
     return index["extra"]
+
+
+def _agreed_save_dir(comm: "Comm", path) -> Path:
+    """The committed save every rank loads. Each rank follows ``LATEST`` on its own, so a
+    ``save_checkpoint`` into ``path`` that commits while the ranks read it would have them load two
+    different saves (silently: both are complete). The ranks compare what they found and all take
+    the newest (the older one is deleted by that save's cleanup), with a warning."""
+    err, save_dir = None, None
+    try:
+        save_dir = resolve_checkpoint(path)
+    except Exception as e:  # noqa: BLE001 - shared with every rank by _agree
+        err = e
+    found = _agree(comm, "load_checkpoint", err, str(save_dir))
+    if len(set(found)) == 1:
+        return save_dir
+    newest = max(found, key=lambda d: SAVE_DIR_RE.match(Path(d).name).group(1))
+    if comm.rank == 0:
+        seen = ", ".join(sorted({Path(d).name for d in found}))
+        logger.warning("yashard: load_checkpoint: the ranks found different committed saves under %s (%s): a "
+                       "save_checkpoint into it committed while they read LATEST; every rank loads the newest, %s",
+                       path, seen, Path(newest).name)
+    return Path(newest)
 
 
 def _read_into(buf: torch.Tensor, reads: list[_Read], files: _Files, kind: str) -> torch.Tensor:

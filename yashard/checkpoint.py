@@ -902,16 +902,20 @@ def _agreed_save_dir(comm: "Comm", path) -> Path:
         save_dir = resolve_checkpoint(path)
     except Exception as e:  # noqa: BLE001 - shared with every rank by _agree
         err = e
-    found = _agree(comm, "load_checkpoint", err, str(save_dir))
+    # (by name: ranks may reach the same directory through different paths)
+    found = _agree(comm, "load_checkpoint", err, save_dir.name)
     if len(set(found)) == 1:
         return save_dir
-    newest = max(found, key=lambda d: SAVE_DIR_RE.match(Path(d).name).group(1))
+    if not all(SAVE_DIR_RE.match(name) for name in found):
+        raise CheckpointError(f"load_checkpoint: the ranks found different checkpoints at {path} ("
+                              + ", ".join(f"{n} on rank {found.index(n)}" for n in dict.fromkeys(found))
+                              + "); give every rank the same checkpoint")
+    newest = max(found, key=lambda name: int(SAVE_DIR_RE.match(name).group(1)))
     if comm.rank == 0:
-        seen = ", ".join(sorted({Path(d).name for d in found}))
         logger.warning("yashard: load_checkpoint: the ranks found different committed saves under %s (%s): a "
                        "save_checkpoint into it committed while they read LATEST; every rank loads the newest, %s",
-                       path, seen, Path(newest).name)
-    return Path(newest)
+                       path, ", ".join(sorted(set(found))), newest)
+    return save_dir.parent / newest
 
 
 def _read_into(buf: torch.Tensor, reads: list[_Read], files: _Files, kind: str) -> torch.Tensor:

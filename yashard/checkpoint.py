@@ -903,7 +903,7 @@ def _agreed_save_dir(comm: "Comm", path) -> Path:
     except Exception as e:  # noqa: BLE001 - shared with every rank by _agree
         err = e
     # (by name: ranks may reach the same directory through different paths)
-    found = _agree(comm, "load_checkpoint", err, save_dir.name)
+    found = _agree(comm, "load_checkpoint", err, None if save_dir is None else save_dir.name)
     if len(set(found)) == 1:
         return save_dir
     if not all(SAVE_DIR_RE.match(name) for name in found):

@@ -219,3 +219,32 @@ def max_rel_err(a: dict, b: dict) -> tuple[float, str]:
 
 def loss_rel_err(a: list, b: list) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+def run_compiled_optimizer_step(rank: int, world: int, compiled: bool) -> dict:
+    """bf16 compute, fused AdamW, its ``step`` under ``torch.compile`` (aot_eager) or not: losses,
+    final masters, and the yashard functions the step's graphs were traced in."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    torch._dynamo.reset()
+    sm = yashard.shard(build("llama"), config=yashard.ShardConfig(param_dtype=torch.bfloat16))
+    opt = torch.optim.AdamW(sm.param_groups(0.1), lr=1e-3, fused=True)
+    traced = set()
+
+    def recording(gm, example_inputs):
+        pkg = yashard.__file__.rsplit("/", 1)[0] + "/"
+        traced.update(line.strip() for n in gm.graph.nodes for line in (n.meta.get("stack_trace") or "").splitlines()
+                      if pkg in line)
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    step = torch.compile(opt.step, backend=recording) if compiled else opt.step
+    losses = []
+    for x in batches(4, 2 * world, 16, 96):
+        x = x.chunk(world)[rank]
+        out = sm(input_ids=x, labels=x)
+        out.loss.backward()
+        losses.append(out.loss.item())
+        sm.clip_grad_norm_(1.0)
+        step()
+        opt.zero_grad(set_to_none=True)
+    return dict(losses=losses, params=sm.full_state_dict(), traced=sorted(traced))

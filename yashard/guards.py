@@ -65,8 +65,10 @@ def track(runtime, removed: dict[torch.nn.Parameter, str]) -> None:
     for u in runtime.units:
         _owners[u.master] = weakref.ref(runtime)
     if not _handles:
-        _handles.append(register_optimizer_step_pre_hook(_before_step))
-        _handles.append(register_optimizer_step_post_hook(_after_step))
+        # (opaque to torch.compile: a compiled opt.step traced them, and the version bump that tells
+        # the runtime a fused step wrote the masters was lost, leaving stale param_dtype copies)
+        _handles.append(register_optimizer_step_pre_hook(torch.compiler.disable(_before_step)))
+        _handles.append(register_optimizer_step_post_hook(torch.compiler.disable(_after_step)))
         _wrap_torch_clip()
         _wrap_plain_grad_scaler()
         _wrap_optimizer_state_dict()

@@ -73,3 +73,20 @@ def test_a_compiled_fused_optimizer_step_refreshes_the_bf16_weights():
     assert compiled["losses"] == eager["losses"]
     assert all(torch.equal(compiled["params"][k], eager["params"][k]) for k in eager["params"])
     assert compiled["traced"] == [], compiled["traced"]
+
+
+def test_compiled_autograd_is_refused_with_the_reason(pg):
+    ca = pytest.importorskip("torch._dynamo.compiled_autograd")
+    import yashard
+    from models import batches, build
+
+    sm = yashard.shard(build(num_hidden_layers=2))
+    x = batches(1, 2, 8, 96)[0]
+    loss = sm(input_ids=x, labels=x).loss
+    with pytest.raises(RuntimeError, match=r"a sharded model's backward ran under compiled autograd .* Run backward\(\) "
+                                           r"without it; the forward can still be compiled"):
+        with ca._enable(torch.compile(backend="aot_eager")):
+            loss.backward()
+    # the model is usable afterwards: a plain backward of a new forward works
+    sm(input_ids=x, labels=x).loss.backward()
+    assert all(p.grad is not None for p in sm.parameters())

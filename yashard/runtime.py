@@ -694,6 +694,14 @@ class Runtime:
         """First hook of a backward: attach grad storage and queue the end-of-backward callback."""
         if self.in_backward:
             return
+        if _in_compiled_autograd():
+            raise RuntimeError(
+                "a sharded model's backward ran under compiled autograd (torch._dynamo.compiled_autograd, or "
+                "torch._dynamo.config.compiled_autograd=True): yashard's backward hooks reduce gradients and "
+                "re-gather weights as each layer's backward starts and ends, which compiled autograd would trace "
+                "into one graph. Run backward() without it; the forward can still be compiled "
+                "(layer.compile() or torch.compile(model))"
+            )
         self.in_backward = True
         self._bucket_index = 0
         self._bwd_last_layer = None
@@ -1226,6 +1234,12 @@ def _other_sharding(model: nn.Module) -> str | None:
 
 
 _MARKED_CLASSES: dict[type, type] = {}
+
+
+def _in_compiled_autograd() -> bool:
+    """Whether this backward is being captured by compiled autograd."""
+    ca = getattr(getattr(torch, "_dynamo", None), "compiled_autograd", None)
+    return bool(getattr(ca, "in_compiled_autograd_region", False))
 
 
 def _opaque(hook):

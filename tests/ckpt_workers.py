@@ -473,3 +473,29 @@ def load_while_a_save_commits(rank, world, root: str) -> dict:
     extra = yashard.load_checkpoint(root, sm2, opt2)
     same = all(torch.equal(u.master, u2.master) for u, u2 in zip(sm.runtime.units, sm2.runtime.units))
     return dict(extra=extra, same=same, warned=warned, old=old.name, new=new.name)
+
+
+def load_different_checkpoints(rank, world, root_a: str, root_b: str, how: str) -> str | None:
+    """Two saves (into two roots, or both kept in one); each rank is given another one to load:
+    ``roots``: rank r loads root r; ``explicit``: rank 0 names the older save directory of root_a,
+    the others load root_a (whose LATEST names the newer)."""
+    import shutil
+    from pathlib import Path
+
+    sm, opt = _setup(segment())
+    first = yashard.save_checkpoint(root_a, sm, opt, extra={"step": 1})
+    dist.barrier()
+    if rank == 0 and how == "explicit":
+        shutil.copytree(first, Path(root_a).parent / "kept")
+    dist.barrier()
+    yashard.save_checkpoint(root_b if how == "roots" else root_a, sm, opt, extra={"step": 2})
+    dist.barrier()
+    if rank == 0 and how == "explicit":
+        shutil.copytree(Path(root_a).parent / "kept", first)
+    dist.barrier()
+    given = {"roots": [root_a, root_b][rank % 2], "explicit": str(first) if rank == 0 else root_a}[how]
+    try:
+        yashard.load_checkpoint(given, *_setup(segment(seed=3)))
+    except yashard.checkpoint.CheckpointError as e:
+        return str(e)
+    return None

@@ -11,6 +11,7 @@ import json
 import os
 import pickle
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import yashard
-from ckpt_workers import (DCP_MODELS, load_while_a_save_commits, dcp_optimizer_scalars, optimizer_state_dict_misuse, save_misuse, EXPORT_LIMIT, dcp_async_save, dcp_load, dcp_load_named, dcp_save,
+from ckpt_workers import (DCP_MODELS, load_different_checkpoints, load_while_a_save_commits, dcp_optimizer_scalars, optimizer_state_dict_misuse, save_misuse, EXPORT_LIMIT, dcp_async_save, dcp_load, dcp_load_named, dcp_save,
                           dcp_train_resume, fsdp2_dcp, fsdp2_train_save_continue, run_segments, save_then_killed_save,
                           segment, yashard_load_continue)
 from harness import run_distributed as launch, run_until_exit
@@ -566,15 +567,44 @@ def test_ranks_that_find_different_saves_all_load_the_newest(tmp_path):
 
 def test_a_save_removed_by_a_newer_save_while_loading_says_so(saved, monkeypatch):
     root, save_dir = saved
-    monkeypatch.setattr(yashard.checkpoint, "_agreed_save_dir", lambda comm, path: save_dir)  # LATEST read first
-    (root / "LATEST").write_text("save-000009-0123abcd\n")  # then a newer save commits and removes this one
+    agreed = yashard.checkpoint._agreed_save(_fresh()[0].runtime.comm, root)  # LATEST and the index read first ...
+    monkeypatch.setattr(yashard.checkpoint, "_agreed_save", lambda comm, path: agreed)
+    (root / "LATEST").write_text("save-000009-0123abcd\n")  # ... then a newer save commits and removes this one
     (save_dir / "shard-00000-of-00001.safetensors").unlink()
     with pytest.raises(CheckpointError, match=r"lost shard-00000-of-00001\.safetensors while it was being loaded: a "
-                                              r"save_checkpoint into .* committed save-000009-0123abcd meanwhile"):
+                                              r"save_checkpoint into .* committed save-000009-0123abcd meanwhile and "
+                                              r"removed this save; load .*ck again \(its LATEST names save-000009"):
         yashard.load_checkpoint(root, _fresh()[0])
+    monkeypatch.undo()
     # loading that save directory by name, the file is simply missing
     with pytest.raises(CheckpointError, match=r"is missing shard-00000-of-00001\.safetensors \(written by shard rank 0"):
         yashard.load_checkpoint(save_dir, _fresh()[0])
+
+
+@pytest.mark.parametrize("how", ["roots", "explicit"])
+def test_ranks_given_different_checkpoints_are_refused(tmp_path, how):
+    """Not a save committing mid-load: one rank names another checkpoint (another root, or an older
+    save directory by name). Every rank refuses, naming each rank's save."""
+    out = launch(load_different_checkpoints, 2, str(tmp_path / "a"), str(tmp_path / "b"), how)
+    for msg in out:
+        assert msg is not None and re.fullmatch(
+            r"load_checkpoint: the ranks were given different checkpoints \((save-\d{6}-[0-9a-f]{8}) on rank 0, "
+            r"(?!\1)(save-\d{6}-[0-9a-f]{8}) on rank 1\); pass the same checkpoint to every rank", msg), msg
+
+
+def test_a_renamed_or_linked_save_directory_loads(saved, tmp_path):
+    """A save is known by the name its index records: copied under another name, or reached
+    through a symlink, it loads (its shard files were refused as "copied in from another checkpoint")."""
+    root, save_dir = saved
+    shutil.copytree(save_dir, tmp_path / "best")
+    (tmp_path / "link").symlink_to(save_dir)
+    want = yashard.load_checkpoint(root, *_fresh())
+    for path in (tmp_path / "best", tmp_path / "link"):
+        sm, opt = _fresh()
+        assert yashard.load_checkpoint(path, sm, opt) == want
+        ref = _fresh()[0]
+        yashard.load_checkpoint(root, ref)
+        assert all(torch.equal(u.master, r.master) for u, r in zip(sm.runtime.units, ref.runtime.units))
 
 
 def test_error_truncated_and_garbage_files(saved):

@@ -564,7 +564,7 @@ def save_checkpoint(path: str | os.PathLike, model, optimizer: torch.optim.Optim
     err = None
     try:
         if comm.rank == 0:
-            index = _build_index(rt, metas, opt_meta, extra)
+            index = {"save": name, **_build_index(rt, metas, opt_meta, extra)}
             _commit(root, save_dir, index)
             _cleanup(root, keep=name)
     except Exception as e:  # noqa: BLE001
@@ -781,13 +781,9 @@ class _Files:
         f = self.dir / fname
         rec = self.index["files"][fname]
         if not f.is_file():
-            now = _pointer_now(self.dir.parent)
-            if now is not None and now != self.dir.name and (self.via_pointer or not self.dir.is_dir()):
-                raise CheckpointError(
-                    f"checkpoint {self.dir} lost {fname} while it was being loaded: a save_checkpoint into "
-                    f"{self.dir.parent} committed {now} meanwhile and removed the older save; load again (LATEST "
-                    "names the new one), and do not save into a directory another job is loading from"
-                )
+            replaced = _replaced_message(self.dir, self.via_pointer, f"lost {fname}")
+            if replaced:
+                raise CheckpointError(replaced)
             raise CheckpointError(
                 f"checkpoint {self.dir} is missing {fname} (written by shard rank {rec['shard_rank']} of "
                 f"{self.index['shard_world']}); restore that file or load an earlier checkpoint"
@@ -811,10 +807,10 @@ class _Files:
                 f"{f} is not a readable safetensors file ({type(e).__name__}: {e}); it is corrupt: restore it or "
                 "load an earlier checkpoint"
             ) from e
-        saved_by = (h.metadata() or {}).get("save")
-        if saved_by is not None and saved_by != self.dir.name:
+        saved_by, own = (h.metadata() or {}).get("save"), save_identity(self.dir, self.index)
+        if saved_by is not None and saved_by != own:
             raise CheckpointError(
-                f"{f} was written by the save {saved_by}, not by {self.dir.name} whose index lists it: a shard file "
+                f"{f} was written by the save {saved_by}, not by {own} whose index lists it: a shard file "
                 "was copied in from another checkpoint; restore this save's own file or load an earlier checkpoint"
             )
         self.handles[fname] = (h, set(h.keys()))
@@ -855,19 +851,21 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer: torch.optim.Optim
     optimizer has none yet) and its param groups' hyperparameters via ``optimizer.load_state_dict``.
     Masters are matched by unit name, so the optimizer must have the checkpoint's param groups.
     Gradients are not touched. Every file is checked before anything is modified; an error on
-    any rank is raised on every rank. Returns the ``extra`` given to ``save_checkpoint``.
+    any rank is raised on every rank. Every rank loads the same save: ranks that follow ``LATEST``
+    while a ``save_checkpoint`` into ``path`` commits agree on the newest (with a warning); ranks
+    given different checkpoints are refused. A save is known by the name its index records, so a
+    renamed or linked save directory loads. Returns the ``extra`` given to ``save_checkpoint``.
     """
     rt = _runtime(model, "load_checkpoint")
     comm = rt.comm
-    save_dir = _agreed_save_dir(comm, path)
+    save_dir, index, via_pointer = _agreed_save(comm, path)
     with contextlib.ExitStack() as stack:
         err = None
         try:
-            index = read_index(save_dir)
             _check_model(index, rt, save_dir)
             _check_optimizer(index, optimizer, rt, save_dir)
             files = _Files(save_dir, index, stack)
-            files.via_pointer = Path(path).resolve() != save_dir.resolve()  # (followed LATEST)
+            files.via_pointer = via_pointer
             plan = _plan_reads(index, rt, comm.shard_rank)
             opt_state = (index["optimizer"] or {}).get("state", {}) if optimizer is not None else {}
             for unit, reads in plan.items():
@@ -892,30 +890,76 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer: torch.optim.Optim
     return index["extra"]
 
 
-def _agreed_save_dir(comm: "Comm", path) -> Path:
-    """The committed save every rank loads. Each rank follows ``LATEST`` on its own, so a
-    ``save_checkpoint`` into ``path`` that commits while the ranks read it would have them load two
-    different saves (silently: both are complete). The ranks compare what they found and all take
-    the newest (the older one is deleted by that save's cleanup), with a warning."""
-    err, save_dir = None, None
+def save_identity(save_dir: Path, index: dict) -> str:
+    """The name a save was written under (its index records it; older saves: their directory's)."""
+    return index.get("save") or save_dir.name
+
+
+def _replaced_message(save_dir: Path, via_pointer: bool, what: str) -> str | None:
+    """Why ``save_dir`` fails mid-load when a newer save into its root removed it, or None."""
+    now = _pointer_now(save_dir.parent)
+    if now is None or now == save_dir.name or not (via_pointer or not save_dir.is_dir()):
+        return None
+    return (f"checkpoint {save_dir} {what} while it was being loaded: a save_checkpoint into {save_dir.parent} "
+            f"committed {now} meanwhile and removed this save; load {save_dir.parent} again (its LATEST names {now}), "
+            "and do not save into a directory another job is loading from")
+
+
+def _read_save(path) -> tuple[Path, dict, bool]:
+    """This rank's committed save under ``path``, its index, and whether ``LATEST`` led to it."""
+    save_dir = resolve_checkpoint(path)
+    via_pointer = save_dir != Path(path)
     try:
-        save_dir = resolve_checkpoint(path)
+        return save_dir, read_index(save_dir), via_pointer
+    except CheckpointError as e:
+        replaced = _replaced_message(save_dir, via_pointer, "was removed")
+        raise CheckpointError(replaced) if replaced else e
+
+
+def _agreed_save(comm: "Comm", path) -> tuple[Path, dict, bool]:
+    """The committed save every rank loads (collective), with its index and whether ``LATEST`` led to it.
+
+    Every rank resolves ``path`` on its own; they compare the saves they found by the name each
+    was written under (so one save reached through different paths, or renamed, agrees). Found
+    through ``LATEST`` on every rank, different saves mean a ``save_checkpoint`` into ``path``
+    committed while the ranks read it: all take the newest, which its cleanup keeps, with a
+    warning (each would otherwise load another complete save, silently). Anything else (ranks
+    given different checkpoints) is refused, naming each rank's."""
+    err, found = None, None
+    try:
+        save_dir, index, via_pointer = _read_save(path)
+        found = (save_identity(save_dir, index), via_pointer)
     except Exception as e:  # noqa: BLE001 - shared with every rank by _agree
         err = e
-    # (by name: ranks may reach the same directory through different paths)
-    found = _agree(comm, "load_checkpoint", err, None if save_dir is None else save_dir.name)
-    if len(set(found)) == 1:
-        return save_dir
-    if not all(SAVE_DIR_RE.match(name) for name in found):
-        raise CheckpointError(f"load_checkpoint: the ranks found different checkpoints at {path} ("
-                              + ", ".join(f"{n} on rank {found.index(n)}" for n in dict.fromkeys(found))
-                              + "); give every rank the same checkpoint")
-    newest = max(found, key=lambda name: int(SAVE_DIR_RE.match(name).group(1)))
+    found = _agree(comm, "load_checkpoint", err, found)
+    names = [name for name, _ in found]
+    if len(set(names)) == 1:
+        return save_dir, index, via_pointer
+    newest = max(names, key=lambda n: int(m.group(1)) if (m := SAVE_DIR_RE.match(n)) else -1)
+    err = None
+    different = CheckpointError(
+        "load_checkpoint: the ranks were given different checkpoints ("
+        + ", ".join(f"{n} on rank {names.index(n)}" for n in dict.fromkeys(names))
+        + "); pass the same checkpoint to every rank")
+    if not all(via for _, via in found):  # (a rank named a save directory)
+        raise different
+    here = True  # the newest is in this rank's root too (not only in another root)
+    try:
+        if newest != save_dir.name:
+            here = (save_dir.parent / newest / INDEX).is_file()
+            if here:
+                save_dir = save_dir.parent / newest
+                index = read_index(save_dir)
+                here = save_identity(save_dir, index) == newest
+    except Exception as e:  # noqa: BLE001
+        err = e
+    if not all(_agree(comm, "load_checkpoint", err, here)):
+        raise different
     if comm.rank == 0:
         logger.warning("yashard: load_checkpoint: the ranks found different committed saves under %s (%s): a "
                        "save_checkpoint into it committed while they read LATEST; every rank loads the newest, %s",
-                       path, ", ".join(sorted(set(found))), newest)
-    return save_dir.parent / newest
+                       path, ", ".join(sorted(set(names))), newest)
+    return save_dir, index, True
 
 
 def _read_into(buf: torch.Tensor, reads: list[_Read], files: _Files, kind: str) -> torch.Tensor:

@@ -394,18 +394,23 @@ def setup_deepspeed(args, device, shape) -> Engine:
     return eng
 
 
+DEEPSPEED_NOT_COMPILED = "--compile: DeepSpeed ZeRO-3 compiles through engine.compile(), not set up here"
+
+
 def compile_layers(eng: Engine) -> None:
     """``torch.compile`` (inductor) on every decoder layer of ``eng``'s model, the way torchtitan
     compiles FSDP2's blocks; each engine's hooks stay where they are (yashard's and FSDP2's run
     outside the graphs, DDP's and FSDP1's are outside the layers). DeepSpeed ZeRO-3 hooks every
     submodule and compiles through its own ``engine.compile()``, so it is refused here."""
     if eng.name == "deepspeed":
-        raise ValueError("--compile: DeepSpeed ZeRO-3 compiles through engine.compile(), not set up here")
+        raise ValueError(DEEPSPEED_NOT_COMPILED)
     import torch._dynamo
 
     # every engine compiles the same layer code in this one process, each with its own guards
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 512)
+    # (the limits' names before torch 2.7; later releases keep them as aliases)
+    cfg = torch._dynamo.config
+    cfg.cache_size_limit = max(cfg.cache_size_limit, 64)
+    cfg.accumulated_cache_size_limit = max(cfg.accumulated_cache_size_limit, 512)
     layers = [m for m in eng.model.modules() if type(m).__name__.endswith("DecoderLayer")]
     if not layers:
         raise ValueError(f"--compile: no decoder layer found in {eng.name}'s model")

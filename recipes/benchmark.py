@@ -273,6 +273,9 @@ def run_compare(args, device) -> dict:
         if name == "deepspeed" and be.deepspeed_missing():
             skipped[name] = be.deepspeed_missing()
             continue
+        if name == "deepspeed" and args.compile:  # (refused before a ZeRO-3 engine is built for nothing)
+            skipped[name] = f"not run: {be.DEEPSPEED_NOT_COMPILED}"
+            continue
         dist.barrier()
         before = mem.now()
         mem.reset_peak()

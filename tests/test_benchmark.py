@@ -302,7 +302,7 @@ def test_compile_puts_every_engines_layers_under_torch_compile():
         assert "decoder layers under torch.compile (inductor)" in row, row
         loss_diff = float(row.split("|")[-3])
         assert abs(loss_diff) < 1e-4, row
-    assert re.search(r"\| deepspeed \| (not run: ValueError: --compile: DeepSpeed ZeRO-3 compiles through "
+    assert re.search(r"\| deepspeed \| (not run: --compile: DeepSpeed ZeRO-3 compiles through "
                      r"engine\.compile\(\)|.*not installed)", out), out
 
 

@@ -37,6 +37,7 @@ def test_compiled_layers_forwards_and_model_train_as_the_reference_without_traci
     cases = {
         "layers": scenario(compile=("layers", "aot_eager"), **base),
         "forwards, fullgraph": scenario(compile=("forwards", "aot_eager"), **base),
+        "layers, fullgraph": scenario(compile=("layers-fullgraph", "aot_eager"), **base),
         "model": scenario(compile=("model", "aot_eager"), **base),
         "layers, checkpointed": scenario(compile=("layers", "aot_eager"), ckpt=2, **base),
         "model, no reshard": scenario(compile=("model", "aot_eager"), shard_kw={"reshard_after_forward": False},
@@ -85,7 +86,7 @@ def test_compiled_autograd_is_refused_with_the_reason(pg):
     loss = sm(input_ids=x, labels=x).loss
     with pytest.raises(RuntimeError, match=r"a sharded model's backward ran under compiled autograd .* Run backward\(\) "
                                            r"without it; the forward can still be compiled"):
-        with ca._enable(torch.compile(backend="aot_eager")):
+        with (getattr(ca, "_enable", None) or ca.enable)(torch.compile(backend="aot_eager")):
             loss.backward()
     # the model is usable afterwards: a plain backward of a new forward works
     sm(input_ids=x, labels=x).loss.backward()

@@ -22,8 +22,9 @@ DEFAULTS = dict(
     mesh=None,  # rows of ranks: a 2-D (replicate, shard) DeviceMesh; one row: a 1-D mesh
     no_sync=False,  # every micro-batch but the last runs forward and backward inside sm.no_sync()
     no_grad_step=False,  # the optimizer steps under torch.no_grad() (its post-hook gathers there)
-    compile=None,  # (what, backend): torch.compile "layers" (module.compile), "forwards" (each layer's
-    # forward function, fullgraph=True) or "model" (the ShardedModel), with that Dynamo backend
+    # (what, backend): torch.compile "layers" (module.compile; "layers-fullgraph": with fullgraph=True),
+    # "forwards" (each layer's forward function, fullgraph=True) or "model" (the ShardedModel)
+    compile=None,
 )
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -111,8 +112,8 @@ def _compile(sm, how) -> tuple:
     if what == "model":
         return torch.compile(sm, backend=recording), traced
     for layer in sm.model.layers:
-        if what == "layers":
-            layer.compile(backend=recording)
+        if what.startswith("layers"):
+            layer.compile(backend=recording, fullgraph=what == "layers-fullgraph")
         else:
             layer.forward = torch.compile(layer.forward, backend=recording, fullgraph=True)
     return sm, traced

@@ -196,6 +196,13 @@ def prime(shape: dict, args, device, vocab: int) -> None:
     model(input_ids=ids, labels=ids).loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), be.CLIP)
     opt.step()
+    if args.compile and args.dtype != "fp32":
+        # compiled 16-bit layers are other kernels: both ways the engines run them (16-bit weights;
+        # DDP's fp32 weights under autocast)
+        with torch.autocast(device.type, dtype=be.DTYPES[args.dtype]):
+            model(input_ids=ids, labels=ids).loss.backward()
+        model.to(be.DTYPES[args.dtype])
+        model(input_ids=ids, labels=ids).loss.backward()
     world, rank = dist.get_world_size(), dist.get_rank()
     t = torch.ones(world * 1024, device=device)
     out = torch.empty(1024, device=device)

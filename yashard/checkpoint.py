@@ -767,11 +767,11 @@ def _plan_reads(index: dict, rt: "Runtime", shard_rank: int) -> dict[str, list[_
 class _Files:
     """Opens shard files lazily, each checked once (present, size, not a pickle, valid safetensors)."""
 
-    def __init__(self, save_dir: Path, index: dict, stack: contextlib.ExitStack):
+    def __init__(self, save_dir: Path, index: dict, stack: contextlib.ExitStack, via_pointer: bool = False):
         self.dir, self.index, self.stack = save_dir, index, stack
+        self.via_pointer = via_pointer  # the save was found through its root's LATEST
         self.handles: dict[str, Any] = {}
         self.verified: set[tuple[str, int]] = set()  # pieces whose checksum was read and matched
-        self.via_pointer = False  # the save was found through its root's LATEST
 
     def get(self, fname: str):
         if fname in self.handles:
@@ -807,7 +807,7 @@ class _Files:
                 f"{f} is not a readable safetensors file ({type(e).__name__}: {e}); it is corrupt: restore it or "
                 "load an earlier checkpoint"
             ) from e
-        saved_by, own = (h.metadata() or {}).get("save"), save_identity(self.dir, self.index)
+        saved_by, own = (h.metadata() or {}).get("save"), _save_identity(self.dir, self.index)
         if saved_by is not None and saved_by != own:
             raise CheckpointError(
                 f"{f} was written by the save {saved_by}, not by {own} whose index lists it: a shard file "
@@ -864,8 +864,7 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer: torch.optim.Optim
         try:
             _check_model(index, rt, save_dir)
             _check_optimizer(index, optimizer, rt, save_dir)
-            files = _Files(save_dir, index, stack)
-            files.via_pointer = via_pointer
+            files = _Files(save_dir, index, stack, via_pointer)
             plan = _plan_reads(index, rt, comm.shard_rank)
             opt_state = (index["optimizer"] or {}).get("state", {}) if optimizer is not None else {}
             for unit, reads in plan.items():
@@ -890,7 +889,7 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer: torch.optim.Optim
     return index["extra"]
 
 
-def save_identity(save_dir: Path, index: dict) -> str:
+def _save_identity(save_dir: Path, index: dict) -> str:
     """The name a save was written under (its index records it; older saves: their directory's)."""
     return index.get("save") or save_dir.name
 
@@ -898,7 +897,9 @@ def save_identity(save_dir: Path, index: dict) -> str:
 def _replaced_message(save_dir: Path, via_pointer: bool, what: str) -> str | None:
     """Why ``save_dir`` fails mid-load when a newer save into its root removed it, or None."""
     now = _pointer_now(save_dir.parent)
-    if now is None or now == save_dir.name or not (via_pointer or not save_dir.is_dir()):
+    if now is None or now == save_dir.name:
+        return None
+    if not via_pointer and save_dir.is_dir():  # (named by the caller and still there: plain damage)
         return None
     return (f"checkpoint {save_dir} {what} while it was being loaded: a save_checkpoint into {save_dir.parent} "
             f"committed {now} meanwhile and removed this save; load {save_dir.parent} again (its LATEST names {now}), "
@@ -928,7 +929,7 @@ def _agreed_save(comm: "Comm", path) -> tuple[Path, dict, bool]:
     err, found = None, None
     try:
         save_dir, index, via_pointer = _read_save(path)
-        found = (save_identity(save_dir, index), via_pointer)
+        found = (_save_identity(save_dir, index), via_pointer)
     except Exception as e:  # noqa: BLE001 - shared with every rank by _agree
         err = e
     found = _agree(comm, "load_checkpoint", err, found)
@@ -936,21 +937,20 @@ def _agreed_save(comm: "Comm", path) -> tuple[Path, dict, bool]:
     if len(set(names)) == 1:
         return save_dir, index, via_pointer
     newest = max(names, key=lambda n: int(m.group(1)) if (m := SAVE_DIR_RE.match(n)) else -1)
-    err = None
     different = CheckpointError(
         "load_checkpoint: the ranks were given different checkpoints ("
         + ", ".join(f"{n} on rank {names.index(n)}" for n in dict.fromkeys(names))
         + "); pass the same checkpoint to every rank")
     if not all(via for _, via in found):  # (a rank named a save directory)
         raise different
-    here = True  # the newest is in this rank's root too (not only in another root)
+    err, here = None, True  # here: the newest is in this rank's root too (not only in another root)
     try:
         if newest != save_dir.name:
             here = (save_dir.parent / newest / INDEX).is_file()
             if here:
                 save_dir = save_dir.parent / newest
                 index = read_index(save_dir)
-                here = save_identity(save_dir, index) == newest
+                here = _save_identity(save_dir, index) == newest
     except Exception as e:  # noqa: BLE001
         err = e
     if not all(_agree(comm, "load_checkpoint", err, here)):

@@ -85,20 +85,15 @@ def _model(s):
     return model
 
 
-def _compile(sm, how) -> tuple:
-    """``sm``'s forward under ``torch.compile`` as the scenario says, and a dict that counts the
-    graphs Dynamo captures and collects the yashard functions their nodes were traced in
-    ("file.py:function"), filled as it compiles."""
-    if how is None:
-        return sm, {}
+def _recording_backend(backend: str, traced: dict):
+    """A Dynamo backend that runs ``backend`` and, per captured graph, counts it in
+    ``traced["graphs"]`` and adds the yashard functions its nodes were traced in ("file.py:function")
+    to ``traced["yashard_code"]``."""
     import os
 
     from torch._dynamo.backends.registry import lookup_backend
 
-    what, backend = how
-    torch._dynamo.reset()  # (graphs of earlier scenarios in this process)
     pkg = os.path.dirname(yashard.__file__) + os.sep
-    traced = {"graphs": 0, "yashard_code": set()}
 
     def recording(gm, example_inputs):
         traced["graphs"] += 1
@@ -108,6 +103,19 @@ def _compile(sm, how) -> tuple:
                     where = line.split('"')[1].removeprefix(pkg) + ":" + line.rsplit(" in ", 1)[-1].strip()
                     traced["yashard_code"].add(where)
         return lookup_backend(backend)(gm, example_inputs)
+
+    return recording
+
+
+def _compile(sm, how) -> tuple:
+    """``sm``'s forward under ``torch.compile`` as the scenario says, and the dict
+    :func:`_recording_backend` fills as it compiles."""
+    if how is None:
+        return sm, {}
+    what, backend = how
+    torch._dynamo.reset()  # (graphs of earlier scenarios in this process)
+    traced = {"graphs": 0, "yashard_code": set()}
+    recording = _recording_backend(backend, traced)
 
     if what == "model":
         return torch.compile(sm, backend=recording), traced
@@ -225,20 +233,11 @@ def loss_rel_err(a: list, b: list) -> float:
 def run_compiled_optimizer_step(rank: int, world: int, compiled: bool) -> dict:
     """bf16 compute, fused AdamW, its ``step`` under ``torch.compile`` (aot_eager) or not: losses,
     final masters, and the yashard functions the step's graphs were traced in."""
-    from torch._dynamo.backends.registry import lookup_backend
-
     torch._dynamo.reset()
     sm = yashard.shard(build("llama"), config=yashard.ShardConfig(param_dtype=torch.bfloat16))
     opt = torch.optim.AdamW(sm.param_groups(0.1), lr=1e-3, fused=True)
-    traced = set()
-
-    def recording(gm, example_inputs):
-        pkg = yashard.__file__.rsplit("/", 1)[0] + "/"
-        traced.update(line.strip() for n in gm.graph.nodes for line in (n.meta.get("stack_trace") or "").splitlines()
-                      if pkg in line)
-        return lookup_backend("aot_eager")(gm, example_inputs)
-
-    step = torch.compile(opt.step, backend=recording) if compiled else opt.step
+    traced = {"graphs": 0, "yashard_code": set()}
+    step = torch.compile(opt.step, backend=_recording_backend("aot_eager", traced)) if compiled else opt.step
     losses = []
     for x in batches(4, 2 * world, 16, 96):
         x = x.chunk(world)[rank]
@@ -248,4 +247,4 @@ def run_compiled_optimizer_step(rank: int, world: int, compiled: bool) -> dict:
         sm.clip_grad_norm_(1.0)
         step()
         opt.zero_grad(set_to_none=True)
-    return dict(losses=losses, params=sm.full_state_dict(), traced=sorted(traced))
+    return dict(losses=losses, params=sm.full_state_dict(), traced=sorted(traced["yashard_code"]))

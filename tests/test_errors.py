@@ -208,14 +208,6 @@ def test_non_float_parameter(pg):
         yashard.shard(model)
 
 
-def test_frozen_parameter(pg):
-    model = build()
-    model.model.layers[2].self_attn.q_proj.weight.requires_grad_(False)
-    with pytest.raises(ValueError, match=r"parameter model\.layers\.2\.self_attn\.q_proj\.weight has requires_grad=False; "
-                                         r"frozen parameters are not supported yet: unfreeze it"):
-        yashard.shard(model)
-
-
 def test_parameter_outside_layers_embed_and_lm_head(pg):
     model = build()
     model.model.extra = nn.Parameter(torch.zeros(4, 4))
@@ -837,20 +829,20 @@ def test_hf_checkpointing_after_shard_is_refused(pg):
 
 
 def test_freezing_after_shard_and_hooks_on_shards_are_refused(pg):
-    """Both would be silently ignored: a module of the sharded model holds no parameter any more,
-    a frozen shard would still get its gradient, autograd never calls hooks on the shards."""
+    """Both would be silently ignored: a module of the sharded model holds no parameter any more
+    (which parameters train is fixed at shard()), autograd never calls hooks on the shards."""
     sm = yashard.shard(build())
     for module in (sm.module.model.embed_tokens, sm.module.model.layers[0], sm.module.model.layers,
                    sm.module.model, sm.module.model.layers[1].mlp):
         with pytest.raises(ValueError, match=rf"{type(module).__name__}\.requires_grad_\(False\) on a yashard-sharded "
-                                             r"model: .* freezing parameters is not supported yet"):
+                                             r"model: which parameters train is fixed when yashard\.shard runs .* "
+                                             r"Freeze them before yashard\.shard"):
             module.requires_grad_(False)
     sm.module.model.embed_tokens.requires_grad_(True)  # a no-op, allowed
     sm.requires_grad_(False)
     with torch.no_grad():
         _loss(sm)  # inference needs no gradients
-    with pytest.raises(ValueError, match=r"the master shard embed has requires_grad=False \(set after yashard\.shard"):
-        _loss(sm)
+    assert not _loss(sm).requires_grad  # every shard off: nothing needs a gradient, as in torch
     sm.module.requires_grad_(True)  # the HF module's requires_grad_ reaches the shards
     assert all(p.requires_grad for p in sm.parameters())
     sm.module.requires_grad_(False)
@@ -864,6 +856,48 @@ def test_freezing_after_shard_and_hooks_on_shards_are_refused(pg):
             _loss(sm)
         handle.remove()
     _loss(sm).backward()
+
+
+def test_parameters_frozen_before_shard_stay_frozen(pg):
+    """Freezing is decided at shard(): what was frozen then cannot be switched on afterwards (it has
+    no gradient storage), and the optimizer groups and parameter counts follow it."""
+    model = build()
+    model.model.embed_tokens.requires_grad_(False)
+    model.model.layers[2].self_attn.q_proj.weight.requires_grad_(False)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    sm = yashard.shard(model)
+    masters = dict(sm.named_parameters())
+    assert not masters["shards.embed"].requires_grad and masters["shards.layer_2"].requires_grad
+    assert sm.num_parameters(only_trainable=True) == trainable
+    groups = sm.param_groups(0.1)
+    assert all(p is not masters["shards.embed"] for g in groups for p in g["params"])
+    for module, name in ((sm.module.model.layers[2], "q_proj"), (sm.module.model.embed_tokens, "embed_tokens")):
+        with pytest.raises(ValueError, match=rf"requires_grad_\(True\) on a yashard-sharded model: .*{name}\.weight "
+                                             r"were frozen \(requires_grad=False\) when yashard\.shard ran and stay frozen"):
+            module.requires_grad_(True)
+    sm.requires_grad_(False)
+    sm.requires_grad_(True)  # back to what shard() decided
+    assert not masters["shards.embed"].requires_grad and masters["shards.layer_2"].requires_grad
+    masters["shards.embed"].requires_grad_(True)
+    with pytest.raises(ValueError, match=r"the master shard embed was set to require gradients, but its parameters "
+                                         r"\(model\.embed_tokens\.weight\) were all frozen .* no gradient buffer"):
+        _loss(sm)
+    masters["shards.embed"].requires_grad_(False)
+    _loss(sm).backward()
+    assert masters["shards.embed"].grad is None and masters["shards.layer_2"].grad is not None
+    # (a rank whose plan had a gradient buffer for the embedding would hold 4 bytes per element more)
+    assert "embed.grad" not in sm.runtime.allocated_tensors()
+
+
+def test_everything_frozen_leaves_no_param_groups(pg):
+    model = build()
+    model.requires_grad_(False)
+    sm = yashard.shard(model)
+    with pytest.raises(ValueError, match=r"param_groups\(\): every parameter of the model is frozen"):
+        sm.param_groups(0.1)
+    with torch.no_grad():
+        _loss(sm)
+    assert not _loss(sm).requires_grad
 
 
 def test_writing_gathered_norm_weights_in_place_is_refused(pg, monkeypatch):

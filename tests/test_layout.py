@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from yashard.layout import build_layout, ceil_div, round_up, shard_pieces, slot_assignment, uncovered_ranges
+from yashard.layout import (build_layout, ceil_div, round_up, shard_pieces, shard_ranges_of, slot_assignment,
+                            uncovered_ranges)
 
 
 def test_slot_assignment_alternates_layers_or_gives_each_unit_its_own():
@@ -77,6 +78,30 @@ def test_uncovered_ranges_merge_adjacent_unwritten_entries():
     assert uncovered_ranges(lay, [True] * 4) == []
     with pytest.raises(ValueError, match="4 entries"):
         uncovered_ranges(lay, [True])
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_shard_ranges_of_selected_entries_hold_exactly_their_elements(world):
+    # (the frozen parameters a rank keeps across the optimizer step)
+    shapes = [("a", (2, 3)), ("b", (5,)), ("c", (4, 2)), ("d", (3,))]
+    lay = build_layout(shapes, world, param_align=4)  # gaps between entries
+    selected = [True, True, False, True]
+    want = set()
+    for i, e in enumerate(lay.entries):
+        if selected[i]:
+            want |= set(range(e.offset, e.end))
+    got = set()
+    for r in range(world):
+        base = lay.shard_range(r)[0]
+        ranges = shard_ranges_of(lay, r, selected)
+        assert all(lo < hi <= lay.shard_numel for lo, hi in ranges)
+        assert all(a[1] < b[0] for a, b in zip(ranges, ranges[1:]))  # sorted, adjacent ones merged
+        for lo, hi in ranges:
+            got |= set(range(base + lo, base + hi))
+    assert got == want
+    assert shard_ranges_of(lay, 0, [False] * 4) == []
+    with pytest.raises(ValueError, match="4 entries"):
+        shard_ranges_of(lay, 0, [True])
 
 
 def test_signature_distinguishes_layouts():

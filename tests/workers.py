@@ -25,6 +25,7 @@ DEFAULTS = dict(
     # (what, backend): torch.compile "layers" (module.compile; "layers-fullgraph": with fullgraph=True),
     # "forwards" (each layer's forward function, fullgraph=True) or "model" (the ShardedModel)
     compile=None,
+    freeze=(),  # parameters whose names contain one of these are frozen (requires_grad=False) before sharding
 )
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -82,6 +83,9 @@ def _model(s):
     model = build(s["family"], seed=s["seed"], **s["overrides"])
     if s["unused"] is not None:
         _make_unused(model, s["unused"])
+    for name, p in model.named_parameters():
+        if any(f in name for f in s["freeze"]):
+            p.requires_grad_(False)
     return model
 
 

@@ -157,8 +157,9 @@ def _answer_device_and_dtype(module: nn.Module, runtime: Runtime) -> None:
                 if exclude_embeddings else set())
         own = sum(p.numel() for name, p in nn.Module.named_parameters(self)
                   if name not in skip and (p.requires_grad or not only_trainable))
-        sharded = sum(entry.numel for u in _units(self) for entry, fqns in zip(u.layout.entries, u.fqns)
-                      if not skip.intersection(fqns) and (u.master.requires_grad or not only_trainable))
+        sharded = sum(entry.numel for u in _units(self)
+                      for entry, fqns, ok in zip(u.layout.entries, u.fqns, u.trainable)
+                      if not skip.intersection(fqns) and ((ok and u.master.requires_grad) or not only_trainable))
         return own + sharded
 
     def get_memory_footprint(self, return_buffers=True):
@@ -177,10 +178,10 @@ def _answer_device_and_dtype(module: nn.Module, runtime: Runtime) -> None:
         return cls.generate(self, *args, **kwargs)
 
     def requires_grad_(self, requires_grad: bool = True):
-        # the whole model's parameters are the master shards: set them (a grad-enabled forward then
-        # refuses frozen shards; under torch.no_grad() nothing needs gradients)
+        # the whole model's parameters are the master shards: turn them all off, or back on (the
+        # parameters frozen when yashard.shard ran stay frozen: shards of only those stay off)
         for u in _units(self):
-            u.master.requires_grad_(requires_grad)
+            u.master.requires_grad_(requires_grad and u.grad_storage is not None)
         return cls.requires_grad_(self, requires_grad)
 
     members = {
@@ -263,6 +264,14 @@ class ShardedModel(nn.Module):
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
+    def requires_grad_(self, requires_grad: bool = True):
+        """Turn gradients of every master shard off, or back on. Which parameters train is fixed at
+        ``shard()``: a shard whose parameters were all frozen then stays off, and frozen parameters
+        inside a trained shard stay frozen."""
+        for u in self._runtime.units:
+            u.master.requires_grad_(requires_grad and u.grad_storage is not None)
+        return self
+
     def _apply(self, fn, recurse=True):
         _check_conversion(fn, self._runtime.device)
         return super()._apply(fn, recurse)
@@ -280,13 +289,17 @@ class ShardedModel(nn.Module):
     def param_groups(self, weight_decay: float) -> list[dict]:
         """Optimizer param groups: decay for matrices, no decay for norm weights and biases.
 
-        The no-decay group is exactly the norm group (every 1-D parameter of the model).
+        The no-decay group is exactly the norm group (every 1-D parameter of the model). Master
+        shards that do not require gradients (every parameter in them frozen) are left out, as
+        ``[p for p in model.parameters() if p.requires_grad]`` would.
         """
         rt = self._runtime
-        decay = [u.master for u in rt.units if u is not rt.small]
-        groups = [{"params": decay, "weight_decay": float(weight_decay)}]
-        if rt.small is not None:
-            groups.append({"params": [rt.small.master], "weight_decay": 0.0})
+        decay = [u.master for u in rt.units if u is not rt.small and u.master.requires_grad]
+        small = [rt.small.master] if rt.small is not None and rt.small.master.requires_grad else []
+        groups = [{"params": ps, "weight_decay": wd} for ps, wd in ((decay, float(weight_decay)), (small, 0.0)) if ps]
+        if not groups:
+            raise ValueError("param_groups(): every parameter of the model is frozen (requires_grad=False), so there "
+                             "is nothing to train; leave some unfrozen before yashard.shard")
         return groups
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:

@@ -308,6 +308,7 @@ def _before_step(optimizer, args, kwargs):
         rt.check_no_new_parameters()
         check_loss_scaling(rt, optimizer)
         step_checks(rt)
+        rt.before_optimizer_step()
     return None
 
 

@@ -188,6 +188,24 @@ def shard_pieces(layout: FlatLayout, rank: int) -> list[Piece]:
     return pieces
 
 
+def shard_ranges_of(layout: FlatLayout, rank: int, selected: Sequence[bool]) -> list[tuple[int, int]]:
+    """Ranges ``[lo, hi)`` of ``rank``'s shard (shard-local offsets) that hold elements of the
+    entries whose flag in ``selected`` is True, merged where adjacent (alignment gaps and padding
+    between them are not included)."""
+    if len(selected) != len(layout.entries):
+        raise ValueError(f"{len(selected)} flags for {len(layout.entries)} entries")
+    out: list[tuple[int, int]] = []
+    for pc in shard_pieces(layout, rank):
+        if not selected[pc.entry]:
+            continue
+        lo, hi = pc.shard_start, pc.shard_start + pc.numel
+        if out and out[-1][1] == lo:
+            out[-1] = (out[-1][0], hi)
+        else:
+            out.append((lo, hi))
+    return out
+
+
 def uncovered_ranges(layout: FlatLayout, written: Sequence[bool]) -> list[tuple[int, int]]:
     """Flat ranges of entries whose flag in ``written`` is False, merged where adjacent."""
     if len(written) != len(layout.entries):

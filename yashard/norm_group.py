@@ -31,10 +31,12 @@ class NormGroup:
     def begin_forward(self, grad_enabled: bool) -> None:
         """Issue the gather (unless one for these weights is in flight) and install the views
         (data lands before the first unit computes)."""
-        rt = self.unit.rt
-        rt._prefetch(self.unit)
+        rt, unit = self.unit.rt, self.unit
+        rt._prefetch(unit)
         self._ready = False
-        self.unit.install_views(self.unit.token if grad_enabled else None)
+        if grad_enabled:  # (a no-grad forward before this one's backward changes nothing of it)
+            unit.fwd_trains = unit.master.requires_grad  # frozen: plain views, no reduction
+        unit.install_views(unit.token if grad_enabled and unit.fwd_trains else None, grad_forward=grad_enabled)
 
     def ensure_ready(self) -> None:
         """Make the compute stream wait for the gather, once per forward."""

@@ -96,7 +96,8 @@ class Runtime:
         self._build_units(groups)
         self._install_hooks(spec)
         for module in list(model.modules())[1:]:  # (the root's requires_grad_ reaches the shards: api.py)
-            object.__setattr__(module, "requires_grad_", types.MethodType(_refuse_freezing, module))
+            object.__setattr__(module, "requires_grad_",
+                               types.MethodType(functools.partial(_module_requires_grad, weakref.ref(self)), module))
         model._yashard_sharded = True
 
     # ------------------------------------------------------------------ construction
@@ -153,11 +154,6 @@ class Runtime:
                     f"parameter {fqns[0]} has dtype {p.dtype}; yashard shards floating-point parameters only: "
                     "register it as a buffer (module.register_buffer) if it is not trained"
                 )
-            if not p.requires_grad:
-                raise ValueError(
-                    f"parameter {fqns[0]} has requires_grad=False; frozen parameters are not supported yet: "
-                    "unfreeze it (p.requires_grad_(True)) or remove it from the model before yashard.shard"
-                )
 
         owner_of_module = {}
         for key, root in owners:
@@ -197,7 +193,8 @@ class Runtime:
         sizes and fail later, in gloo or NCCL, without naming the cause."""
         cfg = {f.name: repr(getattr(self.config, f.name)) for f in dataclasses.fields(self.config) if f.name != "device"}
         desc = [("ShardConfig", sorted(cfg.items()))] + [
-            (key, [(fqns[0], tuple(p.shape), str(p.dtype)) for p, _, fqns in members]) for key, members in groups.items()]
+            (key, [(fqns[0], tuple(p.shape), str(p.dtype)) + (() if p.requires_grad else ("frozen",))
+                   for p, _, fqns in members]) for key, members in groups.items()]
         digests = self.comm.all_gather_object(zlib.crc32(repr(desc).encode()), "yashard.shard: same model on every rank")
         if len(set(digests)) == 1:
             return
@@ -211,7 +208,7 @@ class Runtime:
                                                                  b[len(a)] if len(b) > len(a) else None))
         raise ValueError(
             f"the ranks are sharding different models: in {where}, rank 0 has {first[0]} where rank {r} has "
-            f"{first[1]}. Every rank must build the same model (same config, same code) and pass the same "
+            f"{first[1]}. Every rank must build the same model (same config, same code, the same parameters frozen) and pass the same "
             "ShardConfig (its device aside) to yashard.shard"
         )
 
@@ -267,7 +264,7 @@ class Runtime:
                 self, key, kind, idx, layout,
                 locations=[locs for _, locs, _ in members],
                 fqns=[fqns for _, _, fqns in members],
-                slot=slot, master=master,
+                slot=slot, master=master, trainable=[p.requires_grad for p, _, _ in members],
             )
             if cfg.param_dtype != torch.float32:
                 unit.gather_src = torch.empty(master.shape, dtype=cfg.param_dtype, device=self.device)
@@ -521,16 +518,18 @@ class Runtime:
                 )
 
     def _check_masters(self) -> None:
-        """Refuse what autograd would silently ignore on the master shards: a shard frozen after
-        ``shard()`` (it would still get gradients) and hooks registered on one (the reduction writes
-        ``.grad`` itself, so autograd never calls them)."""
+        """Refuse what autograd would silently ignore on the master shards: a shard whose parameters
+        were all frozen at ``shard()`` set to require gradients (it has no gradient storage), and
+        hooks registered on one (the reduction writes ``.grad`` itself, so autograd never calls them)."""
         for u in self.units:
             m = u.master
-            if not m.requires_grad:
+            if m.requires_grad and u.grad_storage is None:
+                names = ", ".join(f[0] for f in u.fqns[:3]) + (f" and {len(u.fqns) - 3} more" if len(u.fqns) > 3 else "")
                 raise ValueError(
-                    f"the master shard {u.name} has requires_grad=False (set after yashard.shard, e.g. by "
-                    "requires_grad_(False)): freezing parameters is not supported yet, and a frozen shard would still "
-                    "get gradients. Set it back (p.requires_grad_(True)), or run the forward under torch.no_grad()"
+                    f"the master shard {u.name} was set to require gradients, but its parameters ({names}) were all "
+                    "frozen (requires_grad=False) when yashard.shard ran, so it has no gradient buffer: it would train "
+                    "nothing. Leave them unfrozen before yashard.shard to train them, or set this shard's "
+                    "requires_grad back to False"
                 )
             if m._backward_hooks or getattr(m, "_post_accumulate_grad_hooks", None):
                 raise ValueError(
@@ -565,8 +564,13 @@ class Runtime:
 
         Fused torch optimizers (``fused=True``) update the masters without bumping their version
         counters, so the step bumps them here: every version-keyed cache (the ``param_dtype``
-        copies, gathered weights, hpZ secondary shards) sees the masters as changed."""
+        copies, gathered weights, hpZ secondary shards) sees the masters as changed.
+
+        First, the frozen parameters of partly frozen units get back the values
+        :meth:`before_optimizer_step` kept (the step saw zero gradients there, but weight decay and
+        momentum may have moved them)."""
         for u in self.units:
+            u.restore_frozen()
             torch.autograd.graph.increment_version(u.master)
         if self.in_backward or not self.forward_order:
             return
@@ -583,6 +587,12 @@ class Runtime:
                 if u.slot.name not in free:
                     free.add(u.slot.name)
                     self.gather(u)
+
+    def before_optimizer_step(self) -> None:
+        """Run by the optimizer step pre-hook, after its checks: keep the frozen ranges of partly
+        frozen units (put back by :meth:`after_optimizer_step`)."""
+        for u in self.units:
+            u.keep_frozen()
 
     def _pre_forward(self, unit: Unit, module, args, kwargs):
         if not self._root_active and unit is self.embed:  # (never re-run in a backward: not checkpointed)
@@ -621,12 +631,20 @@ class Runtime:
         unit.fwd_id = fwd_id
         unit.grad_claimed = False
         unit.written = [False] * len(unit.layout.entries)
+        unit.fwd_trains = unit.master.requires_grad
+        unit.fwd_backward = False
         flat, spec = tree_flatten((args, kwargs))
         idx = [i for i, x in enumerate(flat) if _is_diff_tensor(x)]
-        token, *gated = GateGradFlow.apply(unit, unit.token, *[flat[i] for i in idx])
+        if not unit.fwd_trains and not idx:  # frozen, and no gradient flows through it: no backward
+            unit.install_views(None, grad_forward=True)
+            return None
+        # (a frozen unit's gate takes a token that needs no gradient: its outputs need one only if
+        # its inputs do; the gate then marks the end of its backward, when its slot is free again)
+        token, *gated = GateGradFlow.apply(unit, unit.token if unit.fwd_trains else unit.frozen_token,
+                                           *[flat[i] for i in idx])
         for i, g in zip(idx, gated):
             flat[i] = g
-        unit.install_views(token)
+        unit.install_views(token if unit.fwd_trains else None, grad_forward=True)
         return tree_unflatten(flat, spec)
 
     def _embedding_ahead_of_forward(self, unit: Unit, args, kwargs):
@@ -684,6 +702,7 @@ class Runtime:
         idx = [i for i, x in enumerate(flat) if _is_diff_tensor(x)]
         if not idx:
             return None
+        unit.fwd_backward = True
         outs = BackwardEntry.apply(unit, self.grad_fwd_id, views, *[flat[i] for i in idx])
         for i, o in zip(idx, outs):
             flat[i] = o
@@ -709,7 +728,7 @@ class Runtime:
             u.reduced_in_pass = False
             # A gradient zero_grad(set_to_none=True) dropped is attached unwritten: the unit's first
             # reduction writes it (no zero-fill pass), and _end_backward zeroes any that none wrote.
-            if u.master.grad is None:
+            if u.master.grad is None and u.grad_storage is not None and u.master.requires_grad:
                 u.master.grad = u.grad_storage
                 u.grad_unwritten = True
             # a zero_grad() since a no_sync() backward drops what it accumulated, as in DDP
@@ -748,12 +767,14 @@ class Runtime:
         self._prefetch(nxt)
 
     def _next_backward(self, unit: Unit) -> Unit | None:
-        """The next unit whose weights the backward needs (layers in reverse; the embedding needs none)."""
+        """The next unit whose weights the backward needs (layers in reverse; the embedding needs
+        none), if its backward runs (frozen layers that no gradient flows into have none)."""
+        nxt = None
         if unit.kind == "layer":
-            return self.layers[unit.index - 1] if unit.index > 0 else None
-        if unit is self.lm_head and self.layers:
-            return self.layers[-1]
-        return None
+            nxt = self.layers[unit.index - 1] if unit.index > 0 else None
+        elif unit is self.lm_head and self.layers:
+            nxt = self.layers[-1]
+        return nxt if nxt is not None and nxt.fwd_backward else None
 
     def claim_grad_slot(self, unit: Unit) -> None:
         """Take ``unit``'s grad slot for this backward (R4: after the previous reduction finished)."""
@@ -766,8 +787,15 @@ class Runtime:
         unit.written = [False] * len(unit.layout.entries)
 
     def on_unit_grads_complete(self, unit: Unit) -> None:
-        """All gradients of ``unit`` are in its grad slot: zero the rest and reduce-scatter (R3)."""
+        """All gradients of ``unit`` are in its grad slot: zero the rest and reduce-scatter (R3).
+        A unit frozen in its forward has none: its backward (gradients for its inputs) is over, so
+        only its weights are released."""
         self.begin_backward()
+        if not unit.fwd_trains:
+            if unit.kind != "small":
+                unit.slot.release = self.streams.record(self.streams.compute)
+            unit.reduced_in_pass = True
+            return
         if not unit.grad_claimed:
             self.claim_grad_slot(unit)
         unit.zero_unwritten()
@@ -878,7 +906,8 @@ class Runtime:
             self._drain()
         finally:
             self._discard_reductions = False
-            attached = [u.grad_storage for u in self.units if u.master.grad is u.grad_storage]
+            attached = [u.grad_storage for u in self.units
+                        if u.grad_storage is not None and u.master.grad is u.grad_storage]
             if attached:
                 torch._foreach_zero_(attached)
             for u in self.units:
@@ -1056,7 +1085,10 @@ class Runtime:
             out["qwz_workspace"] = self.qwz_workspace
         for u in self.units:
             out[f"{u.name}.master"] = u.master
-            out[f"{u.name}.grad"] = u.grad_storage
+            if u.grad_storage is not None:
+                out[f"{u.name}.grad"] = u.grad_storage
+            if u.frozen_values is not None:
+                out[f"{u.name}.frozen_values"] = u.frozen_values
             if u.gather_src is not u.master:
                 out[f"{u.name}.gather_src"] = u.gather_src
             if u.secondary is not None:
@@ -1252,13 +1284,28 @@ def _opaque(hook):
     return torch.compiler.disable(hook)
 
 
-def _refuse_freezing(self, requires_grad: bool = True):
-    """``requires_grad_`` of every submodule of a sharded HF model: ``False`` would change nothing
-    (the modules hold no parameter any more), so it raises."""
+def _module_requires_grad(runtime_ref, self, requires_grad: bool = True):
+    """``requires_grad_`` of every submodule of a sharded HF model. Its parameters now live in
+    master shards that hold other modules' parameters too, and which parameters train is fixed
+    at ``shard()``: freezing one now (``False``) would freeze nothing, and unfreezing (``True``)
+    parameters frozen then would train nothing, so both raise; ``True`` on trainable ones is a no-op."""
     if not requires_grad:
         raise ValueError(
-            f"{type(self).__name__}.requires_grad_(False) on a yashard-sharded model: its parameters live in the "
-            "master shards, and freezing parameters is not supported yet (it would silently freeze nothing)"
+            f"{type(self).__name__}.requires_grad_(False) on a yashard-sharded model: which parameters train is "
+            "fixed when yashard.shard runs (this module's parameters now live in master shards shared with other "
+            "modules), so this would freeze nothing. Freeze them before yashard.shard (module.requires_grad_(False) "
+            "on the unsharded model), or turn a whole master shard off (a tensor of model.parameters())"
+        )
+    rt = runtime_ref()
+    mine = {id(m) for m in self.modules()}
+    frozen = [fqns[0] for u in (rt.units if rt is not None else ()) for ok, locs, fqns in zip(u.trainable, u.locations, u.fqns)
+              if not ok and any(id(m) in mine for m, _ in locs)]
+    if frozen:
+        names = ", ".join(frozen[:3]) + (f" and {len(frozen) - 3} more" if len(frozen) > 3 else "")
+        raise ValueError(
+            f"{type(self).__name__}.requires_grad_(True) on a yashard-sharded model: {names} were frozen "
+            "(requires_grad=False) when yashard.shard ran and stay frozen (they have no gradient storage). Leave them "
+            "unfrozen before yashard.shard to train them"
         )
     return nn.Module.requires_grad_(self, requires_grad)
 

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from .layout import FlatLayout, uncovered_ranges
+from .layout import FlatLayout, shard_ranges_of, uncovered_ranges
 
 if TYPE_CHECKING:  # pragma: no cover
     from .buffers import Slot
@@ -34,6 +34,7 @@ class Unit:
         fqns: list[list[str]],
         slot: "Slot",
         master: nn.Parameter,
+        trainable: list[bool] | None = None,
     ):
         self.rt = runtime
         self.name = name
@@ -44,18 +45,41 @@ class Unit:
         self.fqns = fqns            # per entry: every HF name of the parameter (tied names included)
         self.slot = slot
         self.master = master
-        self.grad_storage = torch.zeros_like(master, memory_format=torch.contiguous_format)
+        # Per entry: did the parameter require gradients when yashard.shard ran (fixed from then on).
+        # Frozen entries get plain views (autograd computes no gradient for them); a unit with no
+        # trainable entry has no gradient storage, and its master never requires gradients.
+        self.trainable = list(trainable) if trainable is not None else [True] * len(layout.entries)
+        if len(self.trainable) != len(layout.entries):
+            raise ValueError(f"{len(self.trainable)} trainable flags for {len(layout.entries)} entries of {name}")
+        self.grad_storage: torch.Tensor | None = None
+        if any(self.trainable):
+            self.grad_storage = torch.zeros_like(master, memory_format=torch.contiguous_format)
+        else:
+            master.requires_grad_(False)
+        # Partly frozen: this rank's shard ranges of the frozen entries, and their values, kept over
+        # each optimizer step (the step sees zero gradients there but may still move them: weight
+        # decay) and put back after it (:meth:`keep_frozen` / :meth:`restore_frozen`).
+        self.frozen_ranges: list[tuple[int, int]] = []
+        self.frozen_values: torch.Tensor | None = None
+        if self.grad_storage is not None and not all(self.trainable):
+            self.frozen_ranges = shard_ranges_of(layout, runtime.comm.shard_rank, [not t for t in self.trainable])
+            n = sum(hi - lo for lo, hi in self.frozen_ranges)
+            self.frozen_values = torch.empty(n, dtype=master.dtype, device=master.device) if n else None
+        self.frozen_kept = False
         self.gather_src = master    # replaced by a param_dtype copy when param_dtype != fp32
         self.direct_source: torch.Tensor | None = None  # direct slots (shard world 1): gather_src's alias
         self.secondary: torch.Tensor | None = None  # hpZ: this rank's secondary slice of the gathered unit
         self.secondary_version = -1  # master._version of the weights ``secondary`` holds
         self.order = -1             # position in runtime.units (index of its check flags)
         self.token = torch.empty(0, device=master.device, requires_grad=True)
+        self.frozen_token = torch.empty(0, device=master.device)  # the gate's token while frozen
         # Per-pass state.
         self.gathered: "Pending | None" = None
         self.gathered_version = -1  # master._version of the shards ``gathered`` was gathered from
         self.fwd_id = -1            # id of the last grad-enabled forward this unit ran in
         self.fwd_version = -1       # master._version at that forward
+        self.fwd_trains = False     # that forward computed gradients for this unit's parameters
+        self.fwd_backward = False   # its outputs required gradients (its backward runs: BackwardEntry)
         self.next_forward: Unit | None = None
         self.grad_claimed = False
         self.written = [False] * len(layout.entries)
@@ -80,25 +104,28 @@ class Unit:
         return f"Unit({self.name}, {self.layout.total} params, slot={self.slot.name})"
 
     # ---- views -------------------------------------------------------------------------------
-    def install_views(self, token: torch.Tensor | None) -> None:
+    def install_views(self, token: torch.Tensor | None, grad_forward: bool | None = None) -> None:
         """Point every owning module attribute at a view of this unit's slot.
 
-        With ``token`` the views are :class:`~yashard.narrow.Narrow` outputs (gradients flow into
-        the grad slot); without it they are plain views (no autograd), for no-grad forwards.
+        With ``token`` the views of trainable entries are :class:`~yashard.narrow.Narrow` outputs
+        (gradients flow into the grad slot); every other view is a plain view (no autograd): frozen
+        entries, and every entry without ``token`` (no-grad forwards, a unit frozen for this forward).
+        ``grad_forward`` (default: ``token`` given) says whether this is a grad-enabled forward,
+        whose views an activation-checkpointed unit keeps for its recompute.
         """
         from .narrow import Narrow
 
         weights = self.slot.weights
         views = []
         for i, (entry, locs) in enumerate(zip(self.layout.entries, self.locations)):
-            if token is not None:
+            if token is not None and self.trainable[i]:
                 view = Narrow.apply(token, weights, self, i)
             else:
                 view = weights.narrow(0, entry.offset, entry.numel).view(entry.shape)
             views.append(view)
             for module, attr in locs:
                 module.__dict__[attr] = view
-        if token is not None and self.keep_backward_views:
+        if (token is not None if grad_forward is None else grad_forward) and self.keep_backward_views:
             self.backward_views = views
 
     def restore_backward_views(self, views: list[torch.Tensor] | None = None) -> None:
@@ -123,6 +150,29 @@ class Unit:
         for locs in self.locations:
             for module, attr in locs:
                 module.__dict__.pop(attr, None)
+
+    # ---- frozen parameters in a trained unit ---------------------------------------------------
+    @torch.no_grad()
+    def keep_frozen(self) -> None:
+        """Before an optimizer step: copy this rank's frozen ranges of the master aside."""
+        if self.frozen_values is None:
+            return
+        pos = 0
+        for lo, hi in self.frozen_ranges:
+            self.frozen_values[pos : pos + hi - lo].copy_(self.master.detach()[lo:hi])
+            pos += hi - lo
+        self.frozen_kept = True
+
+    @torch.no_grad()
+    def restore_frozen(self) -> None:
+        """After an optimizer step: put the frozen ranges back as they were before it."""
+        if not self.frozen_kept:
+            return
+        pos = 0
+        for lo, hi in self.frozen_ranges:
+            self.master.detach()[lo:hi].copy_(self.frozen_values[pos : pos + hi - lo])
+            pos += hi - lo
+        self.frozen_kept = False
 
     # ---- backward ----------------------------------------------------------------------------
     def write_grad(self, index: int, grad: torch.Tensor) -> None:

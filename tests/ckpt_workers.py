@@ -17,7 +17,8 @@ import yashard
 from models import batches, build
 
 SEG = dict(family="llama", overrides={}, seed=0, lr=1e-3, wd=0.1, clip=1.0, global_batch=6, seq=12, total=6,
-           start=0, stop=6, load=None, saves={}, export=None, logits_seed=7)
+           start=0, stop=6, load=None, saves={}, export=None, logits_seed=7,
+           freeze=())  # parameters whose names contain one of these are frozen before sharding
 
 
 def segment(**kw) -> dict:
@@ -29,6 +30,9 @@ def segment(**kw) -> dict:
 
 def _setup(s: dict):
     model = build(s["family"], seed=s["seed"], **s["overrides"])
+    for name, p in model.named_parameters():
+        if any(f in name for f in s["freeze"]):
+            p.requires_grad_(False)
     sm = yashard.shard(model)
     opt = torch.optim.AdamW(sm.param_groups(s["wd"]), lr=s["lr"])
     return sm, opt

@@ -79,15 +79,15 @@ def plan_memory(rt: "Runtime") -> MemoryPlan:
     if out:
         rows.append(MemoryRow("reduce-scatter out", m, m * g, f"max S/W={m} * {g}, shared by the slots"))
     n = sum(u.layout.shard_numel for u in rt.units)
-    t = sum(u.layout.shard_numel for u in rt.units if u.grad_storage is not None)
-    k = sum(u.frozen_values.numel() for u in rt.units if u.frozen_values is not None)
+    nt = sum(u.layout.shard_numel for u in rt.units if u.grad_storage is not None)
+    nf = sum(u.frozen_values.numel() for u in rt.units if u.frozen_values is not None)
     rows.append(MemoryRow("fp32 master shards", n, 4 * n, f"N/W={n} * 4"))
-    if t == n:
+    if nt == n:
         rows.append(MemoryRow("fp32 grad shards", n, 4 * n, f"N/W={n} * 4"))
     else:  # units whose parameters were all frozen at shard() have none
-        rows.append(MemoryRow("fp32 grad shards", t, 4 * t, f"T/W={t} * 4 (units with a trainable parameter)"))
-    if k:
-        rows.append(MemoryRow("frozen values", k, 4 * k, f"F={k} * 4 (frozen parameters of partly frozen units, "
+        rows.append(MemoryRow("fp32 grad shards", nt, 4 * nt, f"T/W={nt} * 4 (units with a trainable parameter)"))
+    if nf:
+        rows.append(MemoryRow("frozen values", nf, 4 * nf, f"F={nf} * 4 (frozen parameters of partly frozen units, "
                                                           "kept over the optimizer step)"))
     if cfg.param_dtype != torch.float32:
         rows.append(MemoryRow(f"{cfg.param_dtype} gather sources", n, p * n, f"N/W={n} * {p}"))
@@ -102,9 +102,9 @@ def plan_memory(rt: "Runtime") -> MemoryPlan:
                               "the comm hook's workspace_plan" if rt._hook_planned else
                               "asked for by the comm hook at its first call (it has no workspace_plan)"))
     cast = f"+{p}" if cfg.param_dtype != torch.float32 else ""
-    shards = f"N/W*(8{cast})" if t == n else f"N/W*(4{cast}) + T/W*4" + (" + F*4" if k else "")
+    shards = f"N/W*(8{cast})" if nt == n else f"N/W*(4{cast}) + T/W*4" + (" + F*4" if nf else "")
     formula = (
         f"sum over slots S*({g if rt.direct else f'{p}+{g}'}){f' + max S/W*{g}' if out else ''} + {shards}"
         + extra + (" + qwZ codes" if cfg.quantized_weights else "") + (" + comm hook scratch" if rt._workspaces else "")
     )
-    return MemoryPlan(tuple(rows), w, adamw_bytes=8 * t, formula=formula)
+    return MemoryPlan(tuple(rows), w, adamw_bytes=8 * nt, formula=formula)

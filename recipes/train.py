@@ -72,6 +72,7 @@ class TrainConfig:
     param_dtype: str = field(default="fp32", metadata={"help": "compute dtype (fp16: with dynamic loss scaling)", "choices": tuple(DTYPES)})
     checkpoint_layers: int = field(default=0, metadata={"help": "decoder layers with activation checkpointing"})
     compile: bool = field(default=False, metadata={"help": "torch.compile each decoder layer (inductor; on CPU it needs a C++ compiler); yashard's hooks run eagerly between the compiled layers"})
+    freeze: str | None = field(default=None, metadata={"help": "freeze the parameters whose names contain one of these comma-separated strings, before sharding (e.g. embed_tokens,layers.0.,layers.1.)"})
     reshard_after_forward: bool = field(default=True, metadata={"help": "false: every unit keeps its own buffers (the model's size per rank), gathered once per step; accumulation reduces once per step (no_sync)"})
     eval_every: int = field(default=10, metadata={"help": "eval every N steps (<= 0: only at the end)"})
     eval_batches: int = field(default=4, metadata={"help": "held-out batches (micro_batch per rank) per eval"})
@@ -431,6 +432,28 @@ def describe_model(cfg: TrainConfig) -> str:
     return f"random {getattr(cfg, 'model_size', None) or 'tiny'} Llama"
 
 
+def freeze(model, patterns: str | None) -> int:
+    """Freeze (``requires_grad_(False)``) every parameter whose name contains one of the
+    comma-separated ``patterns`` (``--freeze``); returns how many elements that froze. A pattern
+    that matches nothing, or patterns that leave nothing to train, raise ValueError."""
+    if not patterns:
+        return 0
+    wanted = [p.strip() for p in patterns.split(",") if p.strip()]
+    named = list(model.named_parameters())
+    for pattern in wanted:
+        if not any(pattern in name for name, _ in named):
+            raise ValueError(f"--freeze {patterns}: {pattern!r} is in no parameter name of the model (they look like "
+                             f"{named[0][0]}, {named[-1][0]}); pass parts of those names, comma-separated")
+    frozen = 0
+    for name, p in named:
+        if any(pattern in name for pattern in wanted):
+            p.requires_grad_(False)
+            frozen += p.numel()
+    if all(not p.requires_grad for _, p in named):
+        raise ValueError(f"--freeze {patterns} freezes every parameter of the model: nothing would train")
+    return frozen
+
+
 def _has_tokenizer_files(path: str) -> bool:
     return any((Path(path) / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
 
@@ -479,6 +502,7 @@ def setup(cfg: TrainConfig) -> Session:
 
     hf_model = build_model(cfg, tok)
     n_params = sum(p.numel() for p in hf_model.parameters())
+    n_frozen = freeze(hf_model, cfg.freeze)
     warning = position_warning(hf_model.config, cfg.seq_len)   # --model: its weights never saw those positions
     if is_main and warning:
         print(warning)
@@ -547,7 +571,8 @@ def setup(cfg: TrainConfig) -> Session:
               "another --out-dir")
     if is_main:
         (out_dir / "config.json").write_text(json.dumps({**dataclasses.asdict(cfg), "world_size": world_size}, indent=2))
-        print(f"model: {describe_model(cfg)} ({n_params / 1e6:.2f}M params), "
+        frozen = f", {n_frozen / 1e6:.2f}M of them frozen" if n_frozen else ""
+        print(f"model: {describe_model(cfg)} ({n_params / 1e6:.2f}M params{frozen}), "
               f"tokenizer: {tok_path or 'byte-level'}, data: {data_desc}")
         print(f"world size {world_size} on {device}, param dtype {cfg.param_dtype}, global batch "
               f"{global_batch} x {cfg.seq_len} = {tokens_per_step:,} tokens/step")

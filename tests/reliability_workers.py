@@ -347,13 +347,17 @@ def generate_uneven_lengths(rank, world):
 
 
 def ranks_build_different_models(rank, world, what):
-    """Rank 1 builds another model ("vocab", "layers") or passes another ShardConfig ("config"):
-    every rank's yashard.shard raises (the message), before any training collective."""
+    """Rank 1 builds another model ("vocab", "layers"), freezes a parameter the other does not
+    ("frozen") or passes another ShardConfig ("config"): every rank's yashard.shard raises (the
+    message), before any training collective."""
     kw = {"vocab": {"vocab_size": 104} if rank == 1 else {}, "layers": {"num_hidden_layers": 3 if rank == 1 else 2},
-          "config": {}}[what]
+          "config": {}, "frozen": {}}[what]
     cfg = yashard.ShardConfig(param_dtype=torch.bfloat16 if (what == "config" and rank == 1) else torch.float32)
+    model = build(**{"num_hidden_layers": 2, **kw})
+    if what == "frozen" and rank == 1:
+        model.model.layers[1].mlp.up_proj.weight.requires_grad_(False)
     try:
-        yashard.shard(build(**{"num_hidden_layers": 2, **kw}), config=cfg)
+        yashard.shard(model, config=cfg)
     except ValueError as e:
         return str(e)
     return None

@@ -259,6 +259,38 @@ def test_sft_from_the_pretrained_checkpoint(sft_run):
     assert saved["world_size"] == 2 and saved["steps"] == SFT_STEPS and saved["model"].endswith("final")
 
 
+def test_finetune_with_frozen_embedding_and_first_layer(pretrain_run, tmp_path):
+    """--freeze: the named parameters leave the run exactly as they came in (the exported final
+    checkpoint holds the pretrained ones bitwise), and the rest still learns."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "out"
+    stdout = run_recipe("finetune.py", "--model", str(pretrain_run[0] / "final"), "--steps", "6",
+                        "--eval-every", "0", "--eval-batches", "1", "--save-every", "0", "--lr", "1e-2",
+                        "--freeze", "embed_tokens,layers.0.", "--out-dir", str(out), *COMMON)
+    assert "of them frozen" in stdout and "frozen values" in stdout  # (layer 0's norms: in the trained norm group)
+    before = load_file(pretrain_run[0] / "final" / "model.safetensors")
+    after = load_file(out / "final" / "model.safetensors")
+    frozen = [k for k in before if "embed_tokens" in k or "layers.0." in k]
+    assert frozen and all(torch.equal(after[k], before[k]) for k in frozen)
+    assert all(not torch.equal(after[k], before[k]) for k in before if k not in frozen)
+
+
+def test_freeze_option_errors():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in TINY_CONFIG.items() if k not in ("model_type", "architectures")}))
+    with pytest.raises(ValueError, match=r"--freeze embed,mlp\.upper: 'mlp\.upper' is in no parameter name of the model "
+                                         r"\(they look like model\.embed_tokens\.weight, model\.norm\.weight\)"):
+        train.freeze(model, "embed,mlp.upper")
+    with pytest.raises(ValueError, match=r"--freeze model freezes every parameter of the model: nothing would train"):
+        train.freeze(model, "model")
+    model.requires_grad_(True)
+    assert train.freeze(model, None) == 0
+    assert train.freeze(model, " embed_tokens , ") == model.model.embed_tokens.weight.numel()
+    assert not model.model.embed_tokens.weight.requires_grad and model.model.norm.weight.requires_grad
+
+
 # --------------------------------------------------------------------------------------------
 # Profile
 # --------------------------------------------------------------------------------------------

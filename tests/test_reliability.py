@@ -229,11 +229,13 @@ def test_ranks_sharding_different_models_are_told_so():
                   "'torch.float32')",
         "config": "in ShardConfig, rank 0 has ('param_dtype', 'torch.float32') where rank 1 has ('param_dtype', "
                   "'torch.bfloat16')",
+        "frozen": "in layer_1, rank 0 has ('model.layers.1.mlp.up_proj.weight', (64, 32), 'torch.float32') where "
+                  "rank 1 has ('model.layers.1.mlp.up_proj.weight', (64, 32), 'torch.float32', 'frozen')",
     }
     for what, detail in want.items():
         for msg in run_distributed(ranks_build_different_models, 2, what):
             assert msg == (f"the ranks are sharding different models: {detail}. Every rank must build the same model "
-                           "(same config, same code) and pass the same ShardConfig (its device aside) to "
+                           "(same config, same code, the same parameters frozen) and pass the same ShardConfig (its device aside) to "
                            "yashard.shard"), msg
 
 

@@ -885,6 +885,11 @@ def test_parameters_frozen_before_shard_stay_frozen(pg):
     masters["shards.embed"].requires_grad_(False)
     _loss(sm).backward()
     assert masters["shards.embed"].grad is None and masters["shards.layer_2"].grad is not None
+    # torch's clip given the trainable shards only (the usual filter) is the global norm still
+    trained = [p for p in sm.parameters() if p.requires_grad]
+    assert torch.nn.utils.clip_grad_norm_(trained, float("inf")) == sm.clip_grad_norm_(float("inf"))
+    with pytest.raises(ValueError, match=r"only some of a sharded model's shards"):
+        torch.nn.utils.clip_grad_norm_(trained[1:], 1.0)
     # (a rank whose plan had a gradient buffer for the embedding would hold 4 bytes per element more)
     assert "embed.grad" not in sm.runtime.allocated_tensors()
 

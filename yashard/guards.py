@@ -200,8 +200,8 @@ def _wrap_torch_clip() -> None:
     torch's function sums the squares of the gradients it is given, and on a yashard model those are
     this rank's shards only: each rank would clip by another, local norm (code that calls torch's
     clip for you does this: Accelerate, HF Trainer). Given exactly the master shards of one sharded
-    model, the wrapper clips by the global norm (:meth:`Runtime.clip_grad_norm_`, a collective:
-    every rank calls it, as with torch's); given some of them, or them and other tensors, it raises;
+    model (those that require gradients at least), the wrapper clips by the global norm
+    (:meth:`Runtime.clip_grad_norm_`, a collective: every rank calls it, as with torch's); given some of them, or them and other tensors, it raises;
     anything else goes to torch's function unchanged. ``get_total_norm`` of master gradients raises
     (it would be this rank's norm). Code that bound the function before the first ``yashard.shard``
     (``from torch.nn.utils import clip_grad_norm_``) keeps torch's: call ``model.clip_grad_norm_``."""
@@ -221,7 +221,11 @@ def _wrap_torch_clip() -> None:
         if not runtimes:
             return torch_clip(params, max_norm, norm_type, error_if_nonfinite, foreach)
         rt = next(iter(runtimes.values()))
-        if len(runtimes) > 1 or None in owners or {id(p) for p in params} != {id(u.master) for u in rt.units}:
+        given = {id(p) for p in params}
+        # (shards that do not require gradients, every parameter in them frozen, may be left out:
+        # [p for p in model.parameters() if p.requires_grad] has the same norm)
+        left_out = [u for u in rt.units if id(u.master) not in given and u.master.requires_grad]
+        if len(runtimes) > 1 or None in owners or left_out:
             raise ValueError(
                 "torch.nn.utils.clip_grad_norm_ got yashard master shards mixed with other tensors, or only some "
                 "of a sharded model's shards: the global norm is defined over one whole model. Clip each sharded "

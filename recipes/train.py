@@ -439,19 +439,19 @@ def freeze(model, patterns: str | None) -> int:
     if not patterns:
         return 0
     wanted = [p.strip() for p in patterns.split(",") if p.strip()]
-    named = list(model.named_parameters())
+    named = list(model.named_parameters(remove_duplicate=False))  # (a tied lm_head.weight under its name too)
     for pattern in wanted:
         if not any(pattern in name for name, _ in named):
             raise ValueError(f"--freeze {patterns}: {pattern!r} is in no parameter name of the model (they look like "
                              f"{named[0][0]}, {named[-1][0]}); pass parts of those names, comma-separated")
-    frozen = 0
+    frozen = {}
     for name, p in named:
         if any(pattern in name for pattern in wanted):
             p.requires_grad_(False)
-            frozen += p.numel()
+            frozen[id(p)] = p.numel()
     if all(not p.requires_grad for _, p in named):
         raise ValueError(f"--freeze {patterns} freezes every parameter of the model: nothing would train")
-    return frozen
+    return sum(frozen.values())
 
 
 def _has_tokenizer_files(path: str) -> bool:

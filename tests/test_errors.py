@@ -875,9 +875,11 @@ def test_parameters_frozen_before_shard_stay_frozen(pg):
         with pytest.raises(ValueError, match=rf"requires_grad_\(True\) on a yashard-sharded model: .*{name}\.weight "
                                              r"were frozen \(requires_grad=False\) when yashard\.shard ran and stay frozen"):
             module.requires_grad_(True)
-    sm.requires_grad_(False)
-    sm.requires_grad_(True)  # back to what shard() decided
-    assert not masters["shards.embed"].requires_grad and masters["shards.layer_2"].requires_grad
+    for root in (sm, sm.module):
+        root.requires_grad_(False)
+        assert not any(p.requires_grad for p in sm.parameters())
+        root.requires_grad_(True)  # back to what shard() decided
+        assert not masters["shards.embed"].requires_grad and masters["shards.layer_2"].requires_grad
     masters["shards.embed"].requires_grad_(True)
     with pytest.raises(ValueError, match=r"the master shard embed was set to require gradients, but its parameters "
                                          r"\(model\.embed_tokens\.weight\) were all frozen .* no gradient buffer"):
@@ -892,6 +894,48 @@ def test_parameters_frozen_before_shard_stay_frozen(pg):
         torch.nn.utils.clip_grad_norm_(trained[1:], 1.0)
     # (a rank whose plan had a gradient buffer for the embedding would hold 4 bytes per element more)
     assert "embed.grad" not in sm.runtime.allocated_tensors()
+
+
+def test_a_shard_turned_off_between_forward_and_backward_gets_no_gradient(pg):
+    """As torch leaves a parameter whose requires_grad was turned off after the forward: no .grad."""
+    sm = yashard.shard(build())
+    masters = dict(sm.named_parameters())
+    loss = _loss(sm)
+    masters["shards.layer_1"].requires_grad_(False)
+    loss.backward()
+    assert masters["shards.layer_1"].grad is None and masters["shards.layer_0"].grad is not None
+    masters["shards.layer_1"].requires_grad_(True)
+    _loss(sm).backward()
+    assert masters["shards.layer_1"].grad is not None
+
+
+def test_optimizer_state_is_made_for_shards_turned_off_for_now(pg):
+    """sharded_optim_state_dict of a fresh optimizer creates state for every shard that can train,
+    also those turned off at the moment (a dcp.load into it would otherwise drop theirs), and none
+    for a shard whose parameters were all frozen at shard()."""
+    model = build()
+    model.model.embed_tokens.requires_grad_(False)
+    sm = yashard.shard(model)
+    opt = torch.optim.AdamW(sm.parameters(), lr=1e-3)
+    sm.requires_grad_(False)
+    sm.sharded_optim_state_dict(opt)
+    assert {n for n, p in sm.named_parameters() if opt.state.get(p)} == {n for n, _ in sm.named_parameters()} - {
+        "shards.embed"}
+
+
+def test_slots_of_only_frozen_units_hold_no_gradient_buffer(pg):
+    model = build()
+    for layer in model.model.layers:
+        layer.requires_grad_(False)
+    sm = yashard.shard(model, config=yashard.ShardConfig(reshard_after_forward=False))
+    slots = sm.runtime.slots
+    frozen = [name for name in slots if name.startswith("layer_")]
+    assert frozen and all(slots[n].grads.numel() == 0 < slots[n].numel for n in frozen)
+    assert slots["lm_head"].grads.numel() == slots["lm_head"].numel
+    plan = sm.memory_plan()
+    assert plan.total_bytes == sum(t.numel() * t.element_size() for t in sm.runtime.allocated_tensors().values())
+    assert "G=0" in str(plan)
+    _loss(sm).backward()
 
 
 def test_everything_frozen_leaves_no_param_groups(pg):

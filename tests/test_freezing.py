@@ -74,13 +74,17 @@ def test_frozen_parameters_with_accumulation_checkpointing_bf16_and_per_unit_buf
     scenarios = [
         # layers 0-2 checkpointed: 0 and 1 partly frozen, 2 wholly (its recompute reads plain views)
         scenario(freeze=patterns, steps=4, micro=1, accum=2, ckpt=3),
-        scenario(freeze=patterns, steps=4, micro=1, accum=2, no_sync=True,
+        scenario(freeze=patterns, steps=4, micro=1, accum=2, no_sync=True, log_step=2,
                  shard_kw={"reshard_after_forward": False}),
         scenario(freeze=patterns, steps=4, dtype="bf16"),
     ]
     results = run_distributed(run_many, 2, scenarios)[0]
     for s, res in zip(scenarios[:2], results[:2]):
         check_frozen(res, run_reference({**s, "world": 2}), patterns)
+    # with a slot per unit, wholly frozen units stay gathered across optimizer steps: only the
+    # others are gathered again after one
+    gathered = Counter(r[2] for r in results[1]["log"] if r[1] == "all_gather")
+    assert "embed" not in gathered and "layer_2" not in gathered and gathered["layer_3"] == 1, gathered
     bf16, ref = results[2], run_reference({**scenarios[2], "world": 2})
     assert loss_rel_err(bf16["losses"], ref["losses"]) < 1e-2
     assert_params_close(bf16["params"], ref["params"], 2e-2, noise_rtol=None, tensor_rtol=5e-2)

@@ -179,10 +179,12 @@ def _answer_device_and_dtype(module: nn.Module, runtime: Runtime) -> None:
 
     def requires_grad_(self, requires_grad: bool = True):
         # the whole model's parameters are the master shards: turn them all off, or back on (the
-        # parameters frozen when yashard.shard ran stay frozen: shards of only those stay off)
+        # parameters frozen when yashard.shard ran stay frozen: shards of only those stay off).
+        # (torch's own walks named_parameters(), the shards: it sets them all, so it runs first)
+        cls.requires_grad_(self, requires_grad)
         for u in _units(self):
             u.master.requires_grad_(requires_grad and u.grad_storage is not None)
-        return cls.requires_grad_(self, requires_grad)
+        return self
 
     members = {
         "_apply": _apply,

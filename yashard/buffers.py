@@ -33,7 +33,8 @@ import torch
 class Slot:
     """One weight buffer + one gradient buffer, owned in turn."""
 
-    def __init__(self, name: str, numel: int, world: int, param_dtype, grad_dtype, device, *, direct: bool = False):
+    def __init__(self, name: str, numel: int, world: int, param_dtype, grad_dtype, device, *, direct: bool = False,
+                 grad_numel: int | None = None):
         if numel % world:
             raise ValueError(f"slot {name}: size {numel} is not a multiple of world size {world}")
         if direct and world != 1:
@@ -43,7 +44,9 @@ class Slot:
         self.numel = numel
         self.direct = direct
         self.weights = torch.empty(0 if direct else numel, dtype=param_dtype, device=device)
-        self.grads = torch.zeros(numel, dtype=grad_dtype, device=device)
+        # (sized by the units with a trainable parameter: 0 if every unit using the slot is frozen)
+        self.grad_numel = numel if grad_numel is None else grad_numel
+        self.grads = torch.zeros(self.grad_numel, dtype=grad_dtype, device=device)
         # Aliases with their own autograd version counters: collectives write through these, so
         # refilling a buffer never trips autograd's "modified by an inplace operation" check on the
         # parameter views saved for backward (the refill is ordered by events, not by autograd).

@@ -65,7 +65,8 @@ class GradBucket:
     Attributes:
         index: position of this bucket in this backward's reduction order (0, 1, ...).
         name: the unit (``"layer_3"``, ``"embed"``, ``"lm_head"``, ``"small"`` for the norm group).
-        last: True for the norm group's bucket, the last of every backward.
+        last: True for the norm group's bucket, the last of every backward (unless every
+            parameter of the norm group is frozen: it is then never reduced, and no bucket is last).
         slot: the gradient buffer the bucket lives in (``"layer_even"``, ``"layer_odd"``, ``"outer"``,
             ``"small"``; with ``reshard_after_forward=False`` the unit's own, named after it). A
             reduction starts only after the previous one finished (rule R6), so one scratch

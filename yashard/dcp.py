@@ -175,9 +175,9 @@ def _init_state(rt, optimizer, units: list) -> None:
     step with zero gradients at learning rate 0, taken by those masters only (the others have no
     gradient for it). Then the weights are put back as they were (an optimizer that ignores ``lr``
     may still have applied weight decay) and every new state tensor is zeroed, ``step`` included: the
-    state a fresh optimizer's first step would start from (SGD with ``dampening`` aside). Masters that
-    do not require gradients (frozen) get none, as with torch's own helpers."""
-    fresh = [u for u in units if not optimizer.state.get(u.master) and u.master.requires_grad]
+    state a fresh optimizer's first step would start from (SGD with ``dampening`` aside). Masters of
+    parameters all frozen at ``shard()`` get none, as with torch's own helpers."""
+    fresh = [u for u in units if not optimizer.state.get(u.master) and u.grad_storage is not None]
     others = [u for u in units if u not in fresh]
     saved = [(u.master.grad, u.grad_unwritten) for u in units]
     weights = [u.master.detach().clone() for u in fresh]
@@ -219,8 +219,9 @@ def sharded_optim_state_dict(rt, optimizer) -> dict:
     created first: :func:`_init_state`), so call it on every rank."""
     groups = optimizer_units(rt, optimizer)
     units = [u for g in groups for u in g]
-    # (as torch's own helpers: a master that does not require gradients gets no state; it has none)
-    if any(not optimizer.state.get(u.master) for u in units if u.master.requires_grad):
+    # (a master of parameters all frozen at shard() gets no state, as with torch's own helpers; one
+    # only turned off for now does, so that a load into it is not silently dropped)
+    if any(not optimizer.state.get(u.master) for u in units if u.grad_storage is not None):
         name = type(optimizer).__name__
         if name in _FRESH_STATE_WRONG or (name == "SGD" and any(g.get("dampening") for g in optimizer.param_groups)):
             raise ValueError(

@@ -63,9 +63,14 @@ def plan_memory(rt: "Runtime") -> MemoryPlan:
     w = rt.world
     p, g = _nbytes(cfg.param_dtype), _nbytes(cfg.wire_dtype)
     rows = []
+    frozen_slots = any(slot.grad_numel != slot.numel for slot in rt.slots.values())
     for slot in rt.slots.values():
-        s = slot.numel
-        if slot.direct:  # shard world 1: the views read the units' own shards
+        s, gs = slot.numel, slot.grad_numel
+        if gs != s:  # units whose parameters are all frozen use it: grads sized by the others (G)
+            weights = "weights: the unit's own shard" if slot.direct else f"S*{p} weights"
+            rows.append(MemoryRow(f"slot {slot.name}", s, (0 if slot.direct else s * p) + gs * g,
+                                  f"S={s}, G={gs}: {weights} + G*{g} grads (G: its units with a trainable parameter)"))
+        elif slot.direct:  # shard world 1: the views read the units' own shards
             rows.append(MemoryRow(f"slot {slot.name}", s, s * g, f"S={s}: S*{g} grads (weights: the unit's own shard)"))
         else:
             rows.append(MemoryRow(f"slot {slot.name}", s, s * (p + g), f"S={s}: S*({p}+{g}) weights+grads"))
@@ -74,10 +79,11 @@ def plan_memory(rt: "Runtime") -> MemoryPlan:
                 for s in rt.slots.values() if s.name != "small")
         rows.append(MemoryRow("qwZ codes", b, b, f"W * (max S/W * {cfg.quantized_weights}/8 + 4 per "
                                                  f"{cfg.quant_block}-block, 16-aligned), shared by the slots"))
-    m = max(slot.numel for slot in rt.slots.values()) // w
+    m = max(slot.grad_numel for slot in rt.slots.values()) // w
     out = w > 1 or rt.reduce_out is not None  # (one rank: only once a comm hook asked for it)
+    big = "G" if frozen_slots else "S"
     if out:
-        rows.append(MemoryRow("reduce-scatter out", m, m * g, f"max S/W={m} * {g}, shared by the slots"))
+        rows.append(MemoryRow("reduce-scatter out", m, m * g, f"max {big}/W={m} * {g}, shared by the slots"))
     n = sum(u.layout.shard_numel for u in rt.units)
     nt = sum(u.layout.shard_numel for u in rt.units if u.grad_storage is not None)
     nf = sum(u.frozen_values.numel() for u in rt.units if u.frozen_values is not None)
@@ -104,7 +110,8 @@ def plan_memory(rt: "Runtime") -> MemoryPlan:
     cast = f"+{p}" if cfg.param_dtype != torch.float32 else ""
     shards = f"N/W*(8{cast})" if nt == n else f"N/W*(4{cast}) + T/W*4" + (" + F*4" if nf else "")
     formula = (
-        f"sum over slots S*({g if rt.direct else f'{p}+{g}'}){f' + max S/W*{g}' if out else ''} + {shards}"
+        (f"sum over slots {'' if rt.direct else f'S*{p} + '}G*{g}" if frozen_slots else
+         f"sum over slots S*({g if rt.direct else f'{p}+{g}'})") + f"{f' + max {big}/W*{g}' if out else ''} + {shards}"
         + extra + (" + qwZ codes" if cfg.quantized_weights else "") + (" + comm hook scratch" if rt._workspaces else "")
     )
     return MemoryPlan(tuple(rows), w, adamw_bytes=8 * nt, formula=formula)

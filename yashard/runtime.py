@@ -223,18 +223,21 @@ class Runtime:
         }
         slot_of = slot_assignment(list(groups), alternate=cfg.reshard_after_forward)
         slot_sizes: dict[str, int] = {}
+        grad_sizes: dict[str, int] = {}  # (units whose parameters are all frozen write no gradients)
         for key, name in slot_of.items():
             slot_sizes[name] = max(slot_sizes.get(name, 0), layouts[key].padded)
+            trains = any(p.requires_grad for p, _, _ in groups[key])
+            grad_sizes[name] = max(grad_sizes.get(name, 0), layouts[key].padded if trains else 0)
         gdt = cfg.wire_dtype
         self.direct = direct_slots(w, cfg)
         self.slots = {
-            name: Slot(name, numel, w, cfg.param_dtype, gdt, self.device, direct=self.direct)
+            name: Slot(name, numel, w, cfg.param_dtype, gdt, self.device, direct=self.direct, grad_numel=grad_sizes[name])
             for name, numel in slot_sizes.items()
             if numel > 0
         }
         # One reduce-scatter output for every slot: reductions run one after the other (R6). Over one
         # rank the default hook's sum is the gradient buffer itself: allocated only if a hook asks.
-        self._reduce_out_numel = max(s.numel for s in self.slots.values()) // w
+        self._reduce_out_numel = max(s.grad_numel for s in self.slots.values()) // w
         self.reduce_out = None
         if w > 1:
             self._reduce_output(0)
@@ -549,15 +552,19 @@ class Runtime:
         backward's last reads of the resident norm group: R1)."""
         versions = tuple(u.master._version for u in self.units)
         if self.config.param_dtype != torch.float32 and versions != self._cast_versions:
-            with torch.no_grad():  # masters changed (optimizer step, load): refresh the cast shards
-                torch._foreach_copy_([u.gather_src for u in self.units], [u.master for u in self.units])
+            # masters changed (optimizer step, load): refresh those cast shards (frozen ones stay)
+            old = self._cast_versions or (None,) * len(versions)
+            changed = [u for u, v, was in zip(self.units, versions, old) if v != was]
+            with torch.no_grad():
+                torch._foreach_copy_([u.gather_src for u in changed], [u.master for u in changed])
             self._cast_versions = versions
         self.streams.comm.wait_event(self.streams.record(self.streams.compute))
 
     def after_optimizer_step(self) -> None:
         """Run by the optimizer step post-hook (:mod:`yashard.guards`): start gathering the norm
         group and, in forward order, the first unit of every slot (the embedding and the first two
-        layers; with ``reshard_after_forward=False`` every unit) now, so they travel while the host
+        layers; with ``reshard_after_forward=False`` every unit), unless its slot still holds its
+        weights as they are (a unit of frozen parameters the step did not change), now, so they travel while the host
         does whatever comes between steps (logging, data, ``zero_grad``) and the first layer's
         gather is not left waiting behind the embedding's short forward. The next forward uses them
         only if the masters have not changed since (``gathered_version``).
@@ -571,22 +578,24 @@ class Runtime:
         momentum may have moved them)."""
         for u in self.units:
             u.restore_frozen()
-            torch.autograd.graph.increment_version(u.master)
+            if u.grad_storage is not None:  # (a shard of frozen parameters never has a gradient to step)
+                torch.autograd.graph.increment_version(u.master)
         if self.in_backward or not self.forward_order:
             return
         self._drain()
         self.streams.capture_compute()
         self._refresh_sources()
-        for u in self.units:
-            u.gathered = None
+        for u in self.units:  # (a unit whose masters the step did not change keeps its gathered weights)
+            if u.slot.owner is not u or u.gathered_version != u.master._version:
+                u.gathered = None
         if self.small is not None:
-            self.gather(self.small)
+            self._prefetch(self.small)
         free = set()  # every slot is free now: gather the first unit of each, in forward order
         with torch.enable_grad():  # gathers for a training forward: hpZ keeps its secondary slices
             for u in self.forward_order:
                 if u.slot.name not in free:
                     free.add(u.slot.name)
-                    self.gather(u)
+                    self._prefetch(u)
 
     def before_optimizer_step(self) -> None:
         """Run by the optimizer step pre-hook, after its checks: keep the frozen ranges of partly
@@ -728,6 +737,7 @@ class Runtime:
             u.reduced_in_pass = False
             # A gradient zero_grad(set_to_none=True) dropped is attached unwritten: the unit's first
             # reduction writes it (no zero-fill pass), and _end_backward zeroes any that none wrote.
+            # (a shard turned off since its forward gets no .grad, as torch leaves such a parameter's)
             if u.master.grad is None and u.grad_storage is not None and u.master.requires_grad:
                 u.master.grad = u.grad_storage
                 u.grad_unwritten = True
@@ -848,6 +858,8 @@ class Runtime:
                     self.comm.all_reduce(value, unit.name, replicas)
                 if self._discard_reductions:  # a failed backward's, waited for by the next forward
                     return
+                if master.grad is None:  # turned off (requires_grad=False) since its forward: as torch,
+                    return               # which accumulates no gradient into such a parameter
                 if not unit.grad_unwritten:
                     master.grad.add_(value, alpha=scale)
                 elif value.dtype == torch.float32:  # = 0 + scale * value, as add_ would give
@@ -974,6 +986,8 @@ class Runtime:
         if plan is None:
             return
         for u in self.units:
+            if u.grad_storage is None:  # (never reduced: all its parameters frozen)
+                continue
             for name, numel, dtype in plan(self.comm_hook_state, self.comm, u.layout.padded, self.config.wire_dtype):
                 if name == "output":
                     self._reduce_output(0)

@@ -281,7 +281,7 @@ def test_freeze_option_errors():
 
     model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in TINY_CONFIG.items() if k not in ("model_type", "architectures")}))
     with pytest.raises(ValueError, match=r"--freeze embed,mlp\.upper: 'mlp\.upper' is in no parameter name of the model "
-                                         r"\(they look like model\.embed_tokens\.weight, model\.norm\.weight\)"):
+                                         r"\(they look like model\.embed_tokens\.weight, lm_head\.weight\)"):
         train.freeze(model, "embed,mlp.upper")
     with pytest.raises(ValueError, match=r"--freeze model freezes every parameter of the model: nothing would train"):
         train.freeze(model, "model")
@@ -289,6 +289,9 @@ def test_freeze_option_errors():
     assert train.freeze(model, None) == 0
     assert train.freeze(model, " embed_tokens , ") == model.model.embed_tokens.weight.numel()
     assert not model.model.embed_tokens.weight.requires_grad and model.model.norm.weight.requires_grad
+    model.requires_grad_(True)
+    assert train.freeze(model, "lm_head") == model.lm_head.weight.numel()  # a tied name
+    assert not model.model.embed_tokens.weight.requires_grad
 
 
 # --------------------------------------------------------------------------------------------

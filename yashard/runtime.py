@@ -48,6 +48,12 @@ class OrderError(RuntimeError):
     """A unit ran out of the order the fixed buffers require."""
 
 
+def _some_names(names: list[str], shown: int = 3) -> str:
+    """``"a, b, c and 4 more"``: the first few of ``names`` for an error message."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
 def _is_diff_tensor(x) -> bool:
     return isinstance(x, torch.Tensor) and x.requires_grad and (x.is_floating_point() or x.is_complex())
 
@@ -527,7 +533,7 @@ class Runtime:
         for u in self.units:
             m = u.master
             if m.requires_grad and u.grad_storage is None:
-                names = ", ".join(f[0] for f in u.fqns[:3]) + (f" and {len(u.fqns) - 3} more" if len(u.fqns) > 3 else "")
+                names = _some_names([f[0] for f in u.fqns])
                 raise ValueError(
                     f"the master shard {u.name} was set to require gradients, but its parameters ({names}) were all "
                     "frozen (requires_grad=False) when yashard.shard ran, so it has no gradient buffer: it would train "
@@ -1034,7 +1040,7 @@ class Runtime:
             )
         held = [self.module_name(u) for u in self.units if u.unreduced]
         if held:
-            names = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+            names = _some_names(held)
             raise RuntimeError(
                 f"{what} after a backward inside model.no_sync(): the gradients of {names} were accumulated on "
                 "this rank but never reduced across ranks. Run the last micro-batch's forward and backward outside "
@@ -1315,7 +1321,7 @@ def _module_requires_grad(runtime_ref, self, requires_grad: bool = True):
     frozen = [fqns[0] for u in (rt.units if rt is not None else ()) for ok, locs, fqns in zip(u.trainable, u.locations, u.fqns)
               if not ok and any(id(m) in mine for m, _ in locs)]
     if frozen:
-        names = ", ".join(frozen[:3]) + (f" and {len(frozen) - 3} more" if len(frozen) > 3 else "")
+        names = _some_names(frozen)
         raise ValueError(
             f"{type(self).__name__}.requires_grad_(True) on a yashard-sharded model: {names} were frozen "
             "(requires_grad=False) when yashard.shard ran and stay frozen (they have no gradient storage). Leave them "

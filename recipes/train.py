@@ -72,7 +72,8 @@ class TrainConfig:
     param_dtype: str = field(default="fp32", metadata={"help": "compute dtype (fp16: with dynamic loss scaling)", "choices": tuple(DTYPES)})
     checkpoint_layers: int = field(default=0, metadata={"help": "decoder layers with activation checkpointing"})
     compile: bool = field(default=False, metadata={"help": "torch.compile each decoder layer (inductor; on CPU it needs a C++ compiler); yashard's hooks run eagerly between the compiled layers"})
-    freeze: str | None = field(default=None, metadata={"help": "freeze the parameters whose names contain one of these comma-separated strings, before sharding (e.g. embed_tokens,layers.0.,layers.1.)"})
+    freeze: str | None = field(default=None, metadata={"help": "freeze the parameters whose names contain one of these "
+                                                           "comma-separated strings, before sharding (e.g. embed_tokens,layers.0.)"})
     reshard_after_forward: bool = field(default=True, metadata={"help": "false: every unit keeps its own buffers (the model's size per rank), gathered once per step; accumulation reduces once per step (no_sync)"})
     eval_every: int = field(default=10, metadata={"help": "eval every N steps (<= 0: only at the end)"})
     eval_batches: int = field(default=4, metadata={"help": "held-out batches (micro_batch per rank) per eval"})

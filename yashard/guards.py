@@ -201,7 +201,8 @@ def _wrap_torch_clip() -> None:
     this rank's shards only: each rank would clip by another, local norm (code that calls torch's
     clip for you does this: Accelerate, HF Trainer). Given exactly the master shards of one sharded
     model (those that require gradients at least), the wrapper clips by the global norm
-    (:meth:`Runtime.clip_grad_norm_`, a collective: every rank calls it, as with torch's); given some of them, or them and other tensors, it raises;
+    (:meth:`Runtime.clip_grad_norm_`, a collective: every rank calls it, as with torch's); given
+    some of them, or them and other tensors, it raises;
     anything else goes to torch's function unchanged. ``get_total_norm`` of master gradients raises
     (it would be this rank's norm). Code that bound the function before the first ``yashard.shard``
     (``from torch.nn.utils import clip_grad_norm_``) keeps torch's: call ``model.clip_grad_norm_``."""

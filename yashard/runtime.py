@@ -214,8 +214,8 @@ class Runtime:
                                                                  b[len(a)] if len(b) > len(a) else None))
         raise ValueError(
             f"the ranks are sharding different models: in {where}, rank 0 has {first[0]} where rank {r} has "
-            f"{first[1]}. Every rank must build the same model (same config, same code, the same parameters frozen) and pass the same "
-            "ShardConfig (its device aside) to yashard.shard"
+            f"{first[1]}. Every rank must build the same model (same config, same code, the same parameters "
+            "frozen) and pass the same ShardConfig (its device aside) to yashard.shard"
         )
 
     def _build_units(self, groups) -> None:
@@ -237,7 +237,8 @@ class Runtime:
         gdt = cfg.wire_dtype
         self.direct = direct_slots(w, cfg)
         self.slots = {
-            name: Slot(name, numel, w, cfg.param_dtype, gdt, self.device, direct=self.direct, grad_numel=grad_sizes[name])
+            name: Slot(name, numel, w, cfg.param_dtype, gdt, self.device, direct=self.direct,
+                       grad_numel=grad_sizes[name])
             for name, numel in slot_sizes.items()
             if numel > 0
         }
@@ -569,8 +570,8 @@ class Runtime:
     def after_optimizer_step(self) -> None:
         """Run by the optimizer step post-hook (:mod:`yashard.guards`): start gathering the norm
         group and, in forward order, the first unit of every slot (the embedding and the first two
-        layers; with ``reshard_after_forward=False`` every unit), unless its slot still holds its
-        weights as they are (a unit of frozen parameters the step did not change), now, so they travel while the host
+        layers; with ``reshard_after_forward=False`` every unit; not one whose slot still holds its
+        weights as they are: frozen parameters the step did not change) now, so they travel while the host
         does whatever comes between steps (logging, data, ``zero_grad``) and the first layer's
         gather is not left waiting behind the embedding's short forward. The next forward uses them
         only if the masters have not changed since (``gathered_version``).
@@ -1318,7 +1319,8 @@ def _module_requires_grad(runtime_ref, self, requires_grad: bool = True):
         )
     rt = runtime_ref()
     mine = {id(m) for m in self.modules()}
-    frozen = [fqns[0] for u in (rt.units if rt is not None else ()) for ok, locs, fqns in zip(u.trainable, u.locations, u.fqns)
+    units = rt.units if rt is not None else ()
+    frozen = [fqns[0] for u in units for ok, locs, fqns in zip(u.trainable, u.locations, u.fqns)
               if not ok and any(id(m) in mine for m, _ in locs)]
     if frozen:
         names = _some_names(frozen)

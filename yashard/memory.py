@@ -108,7 +108,8 @@ def plan_memory(rt: "Runtime") -> MemoryPlan:
                               "the comm hook's workspace_plan" if rt._hook_planned else
                               "asked for by the comm hook at its first call (it has no workspace_plan)"))
     cast = f"+{p}" if cfg.param_dtype != torch.float32 else ""
-    shards = f"N/W*(8{cast})" if nt == n else f"N/W*(4{cast}) + T/W*4" + (" + F*4" if nf else "")
+    masters = f"N/W*(4{cast})" if cast else "N/W*4"
+    shards = f"N/W*(8{cast})" if nt == n else f"{masters} + T/W*4" + (" + F*4" if nf else "")
     formula = (
         (f"sum over slots {'' if rt.direct else f'S*{p} + '}G*{g}" if frozen_slots else
          f"sum over slots S*({g if rt.direct else f'{p}+{g}'})") + f"{f' + max {big}/W*{g}' if out else ''} + {shards}"

@@ -138,11 +138,14 @@ def _answer_device_and_dtype(module: nn.Module, runtime: Runtime) -> None:
         _check_conversion(fn, self.__dict__["_yashard_device"])
         return cls._apply(self, fn, recurse)
 
-    def _units(self):
+    def _runtime(self):
         rt = self.__dict__["_yashard_runtime"]()
         if rt is None:
             raise RuntimeError("the yashard runtime of this module is gone (its ShardedModel was dropped)")
-        return rt.units
+        return rt
+
+    def _units(self):
+        return _runtime(self).units
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         # as FSDP2's fully_shard leaves them: the module's parameters are this rank's shards (the
@@ -182,8 +185,7 @@ def _answer_device_and_dtype(module: nn.Module, runtime: Runtime) -> None:
         # parameters frozen when yashard.shard ran stay frozen: shards of only those stay off).
         # (torch's own walks named_parameters(), the shards: it sets them all, so it runs first)
         cls.requires_grad_(self, requires_grad)
-        for u in _units(self):
-            u.master.requires_grad_(requires_grad and u.grad_storage is not None)
+        _runtime(self).set_requires_grad(requires_grad)
         return self
 
     members = {
@@ -270,8 +272,7 @@ class ShardedModel(nn.Module):
         """Turn gradients of every master shard off, or back on. Which parameters train is fixed at
         ``shard()``: a shard whose parameters were all frozen then stays off, and frozen parameters
         inside a trained shard stay frozen."""
-        for u in self._runtime.units:
-            u.master.requires_grad_(requires_grad and u.grad_storage is not None)
+        self._runtime.set_requires_grad(requires_grad)
         return self
 
     def _apply(self, fn, recurse=True):

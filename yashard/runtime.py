@@ -604,6 +604,12 @@ class Runtime:
                     free.add(u.slot.name)
                     self._prefetch(u)
 
+    def set_requires_grad(self, requires_grad: bool) -> None:
+        """``requires_grad_`` of the whole sharded model: every master shard off, or back to what
+        ``shard()`` decided (a shard whose parameters were all frozen then stays off)."""
+        for u in self.units:
+            u.master.requires_grad_(requires_grad and u.grad_storage is not None)
+
     def before_optimizer_step(self) -> None:
         """Run by the optimizer step pre-hook, after its checks: keep the frozen ranges of partly
         frozen units (put back by :meth:`after_optimizer_step`)."""

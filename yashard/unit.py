@@ -104,14 +104,14 @@ class Unit:
         return f"Unit({self.name}, {self.layout.total} params, slot={self.slot.name})"
 
     # ---- views -------------------------------------------------------------------------------
-    def install_views(self, token: torch.Tensor | None, grad_forward: bool | None = None) -> None:
+    def install_views(self, token: torch.Tensor | None, grad_forward: bool = False) -> None:
         """Point every owning module attribute at a view of this unit's slot.
 
         With ``token`` the views of trainable entries are :class:`~yashard.narrow.Narrow` outputs
         (gradients flow into the grad slot); every other view is a plain view (no autograd): frozen
         entries, and every entry without ``token`` (no-grad forwards, a unit frozen for this forward).
-        ``grad_forward`` (default: ``token`` given) says whether this is a grad-enabled forward,
-        whose views an activation-checkpointed unit keeps for its recompute.
+        ``grad_forward``: this is a grad-enabled forward, whose views an activation-checkpointed
+        unit keeps for its recompute.
         """
         from .narrow import Narrow
 
@@ -125,7 +125,7 @@ class Unit:
             views.append(view)
             for module, attr in locs:
                 module.__dict__[attr] = view
-        if (token is not None if grad_forward is None else grad_forward) and self.keep_backward_views:
+        if grad_forward and self.keep_backward_views:
             self.backward_views = views
 
     def restore_backward_views(self, views: list[torch.Tensor] | None = None) -> None:

@@ -858,6 +858,29 @@ def test_freezing_after_shard_and_hooks_on_shards_are_refused(pg):
     _loss(sm).backward()
 
 
+def test_replacing_a_master_shards_data_is_refused(pg):
+    """``p.data = x`` swaps a shard's storage without moving its version counter: gathered copies,
+    the gradient buffer and the checkpoint views would keep the old one. The next forward and the
+    next optimizer step refuse it; putting the storage back makes the model usable again."""
+    sm = yashard.shard(build())
+    opt = torch.optim.AdamW(sm.parameters(), lr=1e-3)
+    _loss(sm).backward()
+    shard = dict(sm.named_parameters())["shards.layer_1"]
+    kept = shard.data
+    for new, what in ((kept.clone(), r"another buffer"), (torch.zeros(3), r"now \(3,\) float32 on cpu, was \(\d+,\)")):
+        shard.data = new
+        for call in (lambda: _loss(sm), opt.step):
+            with pytest.raises(RuntimeError, match=rf"the master shard layer_1 no longer holds the storage yashard\.shard "
+                                                   rf"gave it \(.*{what}.*p\.data = \.\.\. .* with torch\.no_grad\(\): "
+                                                   r"p\.copy_\(new_values\)"):
+                call()
+    shard.data = kept
+    opt.step()
+    with torch.no_grad():
+        shard.copy_(shard * 0.5)  # the supported way: in place
+    _loss(sm).backward()
+
+
 def test_parameters_frozen_before_shard_stay_frozen(pg):
     """Freezing is decided at shard(): what was frozen then cannot be switched on afterwards (it has
     no gradient storage), and the optimizer groups and parameter counts follow it."""

@@ -311,6 +311,7 @@ def _before_step(optimizer, args, kwargs):
     for rt in runtimes:
         rt.check_grads_reduced(f"{type(optimizer).__name__}.step()")
         rt.check_no_new_parameters()
+        rt.check_master_storage()
         check_loss_scaling(rt, optimizer)
         step_checks(rt)
         rt.before_optimizer_step()

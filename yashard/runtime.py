@@ -27,14 +27,14 @@ from . import guards, materialize
 from .buffers import Slot
 from .collectives import Comm
 from .comm_hooks import GradBucket, reduce_scatter_hook
-from .config import ShardConfig
+from .config import ShardConfig, _dtype_name
 from .events import IN_PLACE, Completed, Pending, Streams
 from .gate_grad_flow import BackwardEntry, GateGradFlow
 from .layout import build_layout, slot_assignment
 from .memory import MemoryPlan, plan_memory
 from .norm_group import NormGroup, is_small_param
 from .patch.spec import ModelSpec, get_path
-from .unit import Unit, same_named_subclass
+from .unit import Unit, same_named_subclass, storage_key
 from .zeropp import qwz_all_gather, qwz_workspace_nbytes
 
 logger = logging.getLogger("yashard")
@@ -491,6 +491,7 @@ class Runtime:
         after a backward that raised, then the wait for what is in flight and the refresh of the
         gather sources."""
         self._check_slot_writes()
+        self.check_master_storage()
         if grad:
             self._check_masters()
         if self.in_backward:
@@ -525,6 +526,26 @@ class Runtime:
                     "full_state_dict() would not show it." + where + " Write the weights through yashard (dcp.load "
                     "into model.sharded_state_dict(), yashard.load_checkpoint) or in place into model.parameters() "
                     "under torch.no_grad()"
+                )
+
+    def check_master_storage(self) -> None:
+        """Refuse a master shard whose data was replaced (``p.data = x``, or ``model.to(...)`` /
+        ``_apply`` moving it): the gathered copies, the gradient buffer attached as its ``.grad``,
+        the checkpoint views and the frozen ranges all point at the storage ``shard()`` gave it, so
+        the new data would be used by some of them and not others. (An in-place write, ``p.copy_(x)``
+        under ``torch.no_grad()``, keeps the storage and moves the version counter: it is the way.)"""
+        for u in self.units:
+            if storage_key(u.master) != u.master_storage:
+                m = u.master
+                was_ptr, was_shape, was_dtype, was_device = u.master_storage
+                raise RuntimeError(
+                    f"the master shard {u.name} no longer holds the storage yashard.shard gave it (now "
+                    f"{tuple(m.shape)} {_dtype_name(m.dtype)} on {m.device}, was {was_shape} {_dtype_name(was_dtype)} "
+                    f"on {was_device}{', another buffer' if m.data_ptr() != was_ptr else ''}): it was replaced, "
+                    "through p.data = ... or a module's .to()/.cuda()/_apply. yashard's gathered weights, gradient "
+                    "buffer, checkpoint views and optimizer state refer to the old storage, so the new data would "
+                    "be seen by some and not others. Write new values in place instead: with torch.no_grad(): "
+                    "p.copy_(new_values)"
                 )
 
     def _check_masters(self) -> None:

@@ -15,6 +15,12 @@ if TYPE_CHECKING:  # pragma: no cover
     from .runtime import Runtime
 
 
+def storage_key(t: torch.Tensor) -> tuple:
+    """Where and what ``t``'s data is: a ``p.data = x`` (or a module's ``_apply``) changes it, an
+    in-place write does not."""
+    return (t.data_ptr(), tuple(t.shape), t.dtype, t.device)
+
+
 class Unit:
     """One decoder layer, the embedding, the lm_head, or the group of all 1-D parameters.
 
@@ -45,6 +51,9 @@ class Unit:
         self.fqns = fqns            # per entry: every HF name of the parameter (tied names included)
         self.slot = slot
         self.master = master
+        # What the master's storage is: gathers, the gradient buffer's attachment, checkpoint views
+        # and the optimizer state all assume it stays (see Runtime.check_master_storage).
+        self.master_storage = storage_key(master)
         # Per entry: did the parameter require gradients when yashard.shard ran (fixed from then on).
         # Frozen entries get plain views (autograd computes no gradient for them); a unit with no
         # trainable entry has no gradient storage, and its master never requires gradients.

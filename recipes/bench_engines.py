@@ -21,6 +21,11 @@ global batches in the same order. Each is set up the way its documentation shows
 * ``yashard-noop`` / ``ddp-noop``: the same as ``yashard`` / ``ddp`` with a comm hook that does not
   communicate gradients (``yashard.comm_hooks.noop_hook``; torch's ``ddp_comm_hooks.debugging_hooks.noop_hook``), to
   measure how much of a step is exposed gradient communication. Their gradients are wrong.
+* ``yashard-nocomm``: ``yashard-noop`` whose weight all-gathers also send nothing (each rank copies
+  its own shard into its slice of the weight buffer and leaves the others' slices as they were):
+  yashard with every gather and reduction of weights and gradients gone, its runtime work (hooks,
+  copies, casts, the post-divide, the optimizer step on shards) kept. ``1 - t(nocomm) / t(yashard)``
+  is the exposed share of all its communication. Weights and gradients are wrong; not run by default.
 
 The sharded engines (DeepSpeed included) reduce gradients after every micro-batch (their default;
 it keeps gradients sharded); DDP and ``yashard-noreshard`` reduce once per optimizer step.
@@ -44,10 +49,12 @@ import yashard
 
 LR, WEIGHT_DECAY, CLIP = 1e-3, 0.1, 1.0
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-ENGINES = ("yashard", "fsdp2", "ddp", "fsdp1", "deepspeed", "yashard-noop", "ddp-noop", "yashard-noreshard", "plain")
+ENGINES = ("yashard", "fsdp2", "ddp", "fsdp1", "deepspeed", "yashard-noop", "ddp-noop", "yashard-noreshard", "plain",
+           "yashard-nocomm")
 # "plain" (the model itself, no wrapper: world 1 only) is the baseline of the world-1 overhead
-# comparison; the default engine list leaves it out, since the matrix runs at world 2.
-DEFAULT_ENGINES = tuple(e for e in ENGINES if e != "plain")
+# comparison; the default engine list leaves it out, since the matrix runs at world 2, and leaves
+# out "yashard-nocomm" (a headroom measurement asked for by name, like plain).
+DEFAULT_ENGINES = tuple(e for e in ENGINES if e not in ("plain", "yashard-nocomm"))
 
 # Llama shapes. "small": 3.95M parameters, seq 256; "wide": 67.1M parameters, seq 64 (with a batch
 # of one sequence per rank the step is dominated by moving the weights, not by activations).
@@ -251,20 +258,48 @@ def _torch_engine(name, precision, model, opt, clip, accum, *, autocast=contextl
     return Engine(name, precision, model, micro, finish)
 
 
-def setup_yashard(args, device, shape, *, noop: bool = False, reshard: bool = True) -> Engine:
+def _local_weight_gathers(model) -> None:
+    """Make ``model``'s weight all-gathers send nothing (benchmark only, through the runtime's
+    private ``Comm``): each rank copies its own shard into its slice of the output and leaves the
+    other slices as they were (weights a real gather put there before, so the arithmetic stays on
+    ordinary values). Nothing is logged or dispatched."""
+    from yashard.collectives import _Works
+
+    comm = model.runtime.comm
+
+    def all_gather(out, shard, unit, group=None):
+        g = comm.shard_group if group is None else group
+        c = shard.numel()
+        own = out.narrow(0, dist.get_rank(g) * c, c)
+        if own.data_ptr() != shard.data_ptr():
+            own.copy_(shard)
+        return _Works([])  # (what a one-rank gather returns: nothing to wait for)
+
+    comm.all_gather = all_gather
+
+
+def setup_yashard(args, device, shape, *, noop: bool = False, reshard: bool = True, nocomm: bool = False) -> Engine:
     cfg = yashard.ShardConfig(param_dtype=DTYPES[args.dtype], reduce_dtype=torch.float32,
-                              reshard_after_forward=reshard)
+                              reshard_after_forward=reshard, on_nonfinite="ignore" if nocomm else "raise")
     model = yashard.shard(build_model(shape, args.seed), config=cfg)
+    noop = noop or nocomm
     if noop:
         from yashard import comm_hooks
 
         model.register_comm_hook(None, comm_hooks.noop_hook)
     opt = make_adamw(model.param_groups(weight_decay=WEIGHT_DECAY), args)
-    name = "yashard-noop" if noop else "yashard" if reshard else "yashard-noreshard"
+    if nocomm:  # after one real step, so every buffer holds gathered weights (see _local_weight_gathers)
+        ids = torch.zeros(1, 8, dtype=torch.long, device=device)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.zero_grad(set_to_none=True)
+        _local_weight_gathers(model)
+    name = "yashard-nocomm" if nocomm else "yashard-noop" if noop else "yashard" if reshard else "yashard-noreshard"
     eng = _torch_engine(name, f"{args.dtype} compute, fp32 master + reduce", model, opt,
                         lambda: model.clip_grad_norm_(CLIP), args.accum,
                         no_sync=contextlib.nullcontext if reshard else model.no_sync)
-    if noop:
+    if nocomm:
+        eng.notes.append("noop_hook and all-gathers that copy the own shard only: no weight or gradient communicated")
+    elif noop:
         eng.notes.append("noop_hook: gradients not communicated")
     if not reshard:
         eng.notes.append("reshard_after_forward=False" + (", no_sync on all but the last micro-batch"
@@ -429,6 +464,7 @@ SETUP = {
     "ddp-noop": lambda args, device, shape: setup_ddp(args, device, shape, noop=True),
     "yashard-noreshard": lambda args, device, shape: setup_yashard(args, device, shape, reshard=False),
     "plain": setup_plain,
+    "yashard-nocomm": lambda args, device, shape: setup_yashard(args, device, shape, nocomm=True),
 }
 
 

@@ -158,9 +158,10 @@ def render_run(run: dict) -> str:
         lines.append(f"| {e['name']} | {c['count']:g} | {c['payload'] / MiB:.2f} | {c['ring_sent'] / MiB:.2f} | {kinds} |")
     head = headroom_rows(run)
     if head:
-        lines += ["", "Headroom (same engine without gradient communication):", "",
-                  "| engine | step ms | with noop_hook ms | exposed gradient-communication share |",
-                  "|---|---:|---:|---:|", *head]
+        lines += ["", "Headroom (same engine without gradient communication; yashard-nocomm: without any):", "",
+                  "| engine | step ms | with noop_hook ms | exposed gradient-communication share "
+                  "| with no communication ms | exposed communication share |",
+                  "|---|---:|---:|---:|---:|---:|", *head]
     over = plain_rows(run)
     if over:
         lines += ["", "Overhead against the unwrapped model trained on the same process (world 1):", "",
@@ -178,13 +179,19 @@ def plain_rows(run: dict) -> list[str]:
 
 
 def headroom_rows(run: dict) -> list[str]:
-    """``| engine | t | t(noop) | 1 - t(noop)/t |`` for each engine whose ``-noop`` twin ran."""
+    """``| engine | t | t(noop) | 1 - t(noop)/t | t(nocomm) | 1 - t(nocomm)/t |`` for each engine
+    whose ``-noop`` or ``-nocomm`` twin ran ("-" where one did not)."""
     medians = {e["name"]: median_time(e["times"]) for e in run["engines"]}
     rows = []
     for name in ("yashard", "ddp"):
-        if name in medians and f"{name}-noop" in medians:
-            t, t0 = medians[name], medians[f"{name}-noop"]
-            rows.append(f"| {name} | {t * 1e3:.1f} | {t0 * 1e3:.1f} | {exposed_share(t, t0):.0%} |")
+        if name not in medians:
+            continue
+        t, cells = medians[name], []
+        for twin in ("noop", "nocomm"):
+            t0 = medians.get(f"{name}-{twin}")
+            cells += ["-", "-"] if t0 is None else [f"{t0 * 1e3:.1f}", f"{exposed_share(t, t0):.0%}"]
+        if cells != ["-"] * 4:
+            rows.append(f"| {name} | {t * 1e3:.1f} | " + " | ".join(cells) + " |")
     return rows
 
 

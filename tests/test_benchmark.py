@@ -165,7 +165,10 @@ def test_render_run_table_headroom_and_skipped_engines():
                               {"deepspeed": "not installed"}))
     assert "| yashard | fp32 | 1000.0 | 0% | 2.00x | 2,048 | 2.0 | 1.0 | 8.0 | 0.0 | +0.00e+00 | 0.0e+00 |" in text
     assert "| deepspeed | not installed |" in text
-    assert "| yashard | 1000.0 | 750.0 | 25% |" in text and "| ddp | 500.0" not in text  # no ddp-noop ran
+    assert "| yashard | 1000.0 | 750.0 | 25% | - | - |" in text and "| ddp | 500.0" not in text  # no ddp-noop ran
+    text = br.render_run(_run([_engine("yashard", 1.0), _engine("yashard-nocomm", 0.6), _engine("ddp", 0.5),
+                               _engine("ddp-noop", 0.45)]))
+    assert "| yashard | 1000.0 | - | - | 600.0 | 40% |" in text and "| ddp | 500.0 | 450.0 | 10% | - | - |" in text
     assert "| ddp | 3 | 1.00 | 0.50 | all_reduce 3 x 1.00 |" in text
     assert "* a note" in text
     assert "NOT comparable" not in text  # the default allocator setting needs no warning
@@ -287,6 +290,20 @@ def test_plain_engine_at_world_1_and_its_error_beyond():
     out = _bench(2, "--engines", "plain,ddp")
     assert ("| plain | not run: ValueError: the plain engine trains the unwrapped model on one process, but the "
             "world has 2 ranks: run it with torchrun --nproc_per_node 1 |") in out, out
+
+
+def test_nocomm_engine_communicates_no_weights_or_gradients():
+    """yashard-nocomm (headroom of all communication) dispatches no collective but the step's
+    small all-reduce, still trains (a finite loss), and gets its column in the headroom table; it is
+    asked for by name only."""
+    import re
+
+    assert "yashard-nocomm" not in benchmark.parse_args([]).engines
+    out = _bench(2, "--engines", "yashard,yashard-nocomm")
+    assert re.search(r"\| yashard-nocomm \| 1 \| 0\.00 \| 0\.00 \| all_reduce 1 x 0\.00 \|", out), out
+    row = next(line for line in out.splitlines() if line.startswith("| yashard-nocomm | fp32"))
+    assert "all-gathers that copy the own shard only" in row and math.isfinite(float(row.split("|")[-3])), row
+    assert re.search(r"\| yashard \| [\d.]+ \| - \| - \| [\d.]+ \| -?\d+% \|", out), out
 
 
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,

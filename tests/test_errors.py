@@ -859,9 +859,10 @@ def test_freezing_after_shard_and_hooks_on_shards_are_refused(pg):
 
 
 def test_replacing_a_master_shards_data_is_refused(pg):
-    """``p.data = x`` swaps a shard's storage without moving its version counter: gathered copies,
-    the gradient buffer and the checkpoint views would keep the old one. The next forward and the
-    next optimizer step refuse it; putting the storage back makes the model usable again."""
+    """``p.data = x`` (or ``model.to_empty``) swaps a shard's storage without moving its version
+    counter: gathered copies, the gradient buffer and the checkpoint views would keep the old one.
+    The next forward and the next optimizer step refuse it; putting the storage back makes the
+    model usable again."""
     sm = yashard.shard(build())
     opt = torch.optim.AdamW(sm.parameters(), lr=1e-3)
     _loss(sm).backward()
@@ -879,6 +880,11 @@ def test_replacing_a_master_shards_data_is_refused(pg):
     with torch.no_grad():
         shard.copy_(shard * 0.5)  # the supported way: in place
     _loss(sm).backward()
+    sm.to_empty(device="cpu")  # a module-wide _apply gives every shard a new (uninitialised) buffer
+    with pytest.raises(RuntimeError, match=r"the master shard embed no longer holds the storage .* another buffer\): "
+                                           r"it was replaced, through p\.data = \.\.\. or a module-wide "
+                                           r"\.cuda\(\)/\.to_empty\(\)/_apply"):
+        _loss(sm)
 
 
 def test_parameters_frozen_before_shard_stay_frozen(pg):

@@ -887,6 +887,27 @@ def test_replacing_a_master_shards_data_is_refused(pg):
         _loss(sm)
 
 
+@pytest.mark.parametrize("reshard", [True, False])
+def test_writes_through_data_are_seen_by_the_next_forward(pg, reshard):
+    """An in-place write through ``p.data`` (old-style optimizers, clamping, init code) moves the
+    shard's version as a write under ``torch.no_grad()`` does, so the next forward uses the new
+    values (here the bf16 copy cast from the masters, which is kept while their version stays)."""
+    losses = []
+    for how in ("none", "no_grad", "data"):
+        sm = yashard.shard(build(), config=yashard.ShardConfig(param_dtype=torch.bfloat16,
+                                                              reshard_after_forward=reshard))
+        with torch.no_grad():
+            _loss(sm)  # casts and gathers every shard
+            shard = dict(sm.named_parameters())["shards.layer_1"]
+            if how == "no_grad":
+                shard.mul_(0.5)
+        if how == "data":
+            shard.data.mul_(0.5)
+        losses.append(_loss(sm).detach())
+    assert not torch.equal(losses[0], losses[1])  # the write changes the loss
+    assert torch.equal(losses[1], losses[2])
+
+
 def test_parameters_frozen_before_shard_stay_frozen(pg):
     """Freezing is decided at shard(): what was frozen then cannot be switched on afterwards (it has
     no gradient storage), and the optimizer groups and parameter counts follow it."""

@@ -34,7 +34,7 @@ from .layout import build_layout, slot_assignment
 from .memory import MemoryPlan, plan_memory
 from .norm_group import NormGroup, is_small_param
 from .patch.spec import ModelSpec, get_path
-from .unit import Unit, same_named_subclass, storage_key
+from .unit import MasterShard, Unit, own_version_alias, same_named_subclass, storage_key
 from .zeropp import qwz_all_gather, qwz_workspace_nbytes
 
 logger = logging.getLogger("yashard")
@@ -269,7 +269,7 @@ class Runtime:
                 idx, kind = int(key.split("_")[1]), "layer"
             else:
                 idx, kind = -1, "small" if key == "small" else "outer"
-            master = nn.Parameter(masters.pop(key))
+            master = MasterShard(masters.pop(key))
             unit = Unit(
                 self, key, kind, idx, layout,
                 locations=[locs for _, locs, _ in members],
@@ -279,7 +279,7 @@ class Runtime:
             if cfg.param_dtype != torch.float32:
                 unit.gather_src = torch.empty(master.shape, dtype=cfg.param_dtype, device=self.device)
             if self.direct:  # (an alias: the views' in-place writes move its own version counter)
-                unit.direct_source = unit.gather_src.data
+                unit.direct_source = own_version_alias(unit.gather_src)
             if cfg.secondary_group_size is not None and kind == "layer":  # hpZ: this rank's secondary slice
                 unit.secondary = torch.empty(layout.padded // cfg.secondary_group_size, dtype=cfg.param_dtype,
                                              device=self.device)

@@ -15,6 +15,34 @@ if TYPE_CHECKING:  # pragma: no cover
     from .runtime import Runtime
 
 
+class MasterShard(nn.Parameter):
+    """A unit's fp32 master shard: an ``nn.Parameter`` whose ``.data`` reads as ``detach()``, the
+    same storage *and the same version counter*. An in-place write through ``p.data``
+    (``p.data.clamp_(...)``, weight-init code, optimizers written the old way) therefore moves the
+    shard's version like any in-place write under ``torch.no_grad()``, and the runtime gathers and
+    casts the new values; through a plain Parameter's ``.data``, which counts versions of its own,
+    the write would go unseen and stale gathered weights would be used. Assigning ``p.data = x``
+    still swaps the storage, which the runtime refuses (:meth:`Runtime.check_master_storage`)."""
+
+    @property
+    def data(self) -> torch.Tensor:
+        return self.detach()
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        _TENSOR_DATA.__set__(self, value)
+
+
+_TENSOR_DATA = torch._C.TensorBase.data  # torch's own .data: an alias with a version counter of its own
+
+
+def own_version_alias(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s storage under a version counter of its own (torch's ``.data``, also for a
+    :class:`MasterShard`): in-place writes through the alias move only its counter, writes to ``t``
+    only ``t``'s."""
+    return _TENSOR_DATA.__get__(t)
+
+
 def storage_key(t: torch.Tensor) -> tuple:
     """Where and what ``t``'s data is: a ``p.data = x`` (or a module's ``_apply``) changes it, an
     in-place write does not."""

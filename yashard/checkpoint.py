@@ -70,6 +70,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 
 from ._io import ST_DTYPES, StreamedSafetensors, fsync_dir, sniff_foreign_format, write_text_atomic
+from .config import _dtype_name
 from .layout import shard_pieces
 from .safetensors_io import read_flat_range
 
@@ -166,10 +167,6 @@ def fingerprint(described: dict[str, str]) -> str:
 def tensor_crc32(t: torch.Tensor, crc: int = 0) -> int:
     """CRC-32 of a contiguous CPU tensor's bytes (any dtype), continuing ``crc``."""
     return zlib.crc32(t.contiguous().view(-1).view(torch.uint8).numpy(), crc)
-
-
-def _dtype_name(d: torch.dtype) -> str:
-    return str(d).replace("torch.", "")
 
 
 def _dtype_from_name(name: str) -> torch.dtype:

@@ -529,11 +529,12 @@ class Runtime:
                 )
 
     def check_master_storage(self) -> None:
-        """Refuse a master shard whose data was replaced (``p.data = x``, or a module-wide ``_apply``:
-        ``model.cuda()``, ``model.to_empty(...)``): the gathered copies, the gradient buffer attached as its ``.grad``,
-        the checkpoint views and the frozen ranges all point at the storage ``shard()`` gave it, so
-        the new data would be used by some of them and not others. (An in-place write, ``p.copy_(x)``
-        under ``torch.no_grad()``, keeps the storage and moves the version counter: it is the way.)"""
+        """Refuse a master shard whose data was replaced (``p.data = x``, or a module-wide
+        ``_apply``: ``model.cuda()``, ``model.to_empty(...)``): the gathered copies, the gradient
+        buffer attached as its ``.grad``, the checkpoint views and the frozen ranges all point at the
+        storage ``shard()`` gave it, so the new data would be used by some of them and not others.
+        (An in-place write, ``p.copy_(x)`` under ``torch.no_grad()``, keeps the storage and moves the
+        version counter: it is the way.)"""
         for u in self.units:
             if storage_key(u.master) != u.master_storage:
                 m = u.master
@@ -542,9 +543,9 @@ class Runtime:
                     f"the master shard {u.name} no longer holds the storage yashard.shard gave it (now "
                     f"{tuple(m.shape)} {_dtype_name(m.dtype)} on {m.device}, was {was_shape} {_dtype_name(was_dtype)} "
                     f"on {was_device}{', another buffer' if m.data_ptr() != was_ptr else ''}): it was replaced, "
-                    "through p.data = ... or a module-wide .cuda()/.to_empty()/_apply. yashard's gathered weights, gradient "
-                    "buffer, checkpoint views and optimizer state refer to the old storage, so the new data would "
-                    "be seen by some and not others. Write new values in place instead: with torch.no_grad(): "
+                    "through p.data = ... or a module-wide .cuda()/.to_empty()/_apply. yashard's gathered weights, "
+                    "gradient buffer, checkpoint views and optimizer state refer to the old storage, so the new data "
+                    "would be seen by some and not others. Write new values in place instead: with torch.no_grad(): "
                     "p.copy_(new_values)"
                 )
 

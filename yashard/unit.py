@@ -15,6 +15,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from .runtime import Runtime
 
 
+_TENSOR_DATA = torch._C.TensorBase.data  # torch's own .data: an alias with a version counter of its own
+
+
 class MasterShard(nn.Parameter):
     """A unit's fp32 master shard: an ``nn.Parameter`` whose ``.data`` reads as ``detach()``, the
     same storage *and the same version counter*. An in-place write through ``p.data``
@@ -31,9 +34,6 @@ class MasterShard(nn.Parameter):
     @data.setter
     def data(self, value: torch.Tensor) -> None:
         _TENSOR_DATA.__set__(self, value)
-
-
-_TENSOR_DATA = torch._C.TensorBase.data  # torch's own .data: an alias with a version counter of its own
 
 
 def own_version_alias(t: torch.Tensor) -> torch.Tensor:

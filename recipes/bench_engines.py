@@ -57,12 +57,16 @@ ENGINES = ("yashard", "fsdp2", "ddp", "fsdp1", "deepspeed", "yashard-noop", "ddp
 DEFAULT_ENGINES = tuple(e for e in ENGINES if e not in ("plain", "yashard-nocomm"))
 
 # Llama shapes. "small": 3.95M parameters, seq 256; "wide": 67.1M parameters, seq 64 (with a batch
-# of one sequence per rank the step is dominated by moving the weights, not by activations).
+# of one sequence per rank the step is dominated by moving the weights, not by activations); "gpu"
+# (below) is sized for one GPU.
 MODELS = {
     "small": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
                   num_key_value_heads=4, seq=256),
     "wide": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=4, num_attention_heads=16,
                  num_key_value_heads=8, seq=64),
+    # for one GPU: 386M parameters (47M per layer), seq 1024; five engines' fp32 AdamW states fit in 80 GB
+    "gpu": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num_attention_heads=16,
+                num_key_value_heads=8, seq=1024),
 }
 COMMON = dict(vocab_size=2048, tie_word_embeddings=False)
 
@@ -199,6 +203,14 @@ class Memory:
             return torch.cuda.max_memory_allocated()
         hwm = _status_kib("VmHWM") * 1024 if self.hwm_resettable else 0
         return max(self.sampled, hwm)
+
+    def allocator_calls(self) -> tuple[int, int] | None:
+        """CUDA only: (cudaMalloc calls, caching-allocator allocations) so far; None on CPU."""
+        if not self.cuda:
+            return None
+        torch.cuda.synchronize()
+        stats = torch.cuda.memory_stats()
+        return stats["segment.all.allocated"], stats["allocation.all.allocated"]
 
     def reserved_peak(self) -> int:
         """CUDA only: the caching allocator's peak reserved bytes (absolute, all engines); 0 on CPU."""

@@ -181,6 +181,11 @@ def reference(shape: dict, args, vocab: int) -> tuple[float, float]:
     return out.loss.item(), norm.item()
 
 
+# torch >= 2.13 names them *_single (the *_tensor names are deprecated there); older torch has only those
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def prime(shape: dict, args, device, vocab: int) -> None:
     """Pay, on every rank and before any engine is built, the one-time costs of the process that
     the first engine would otherwise be charged for (its memory is an increment of process RSS):
@@ -207,8 +212,8 @@ def prime(shape: dict, args, device, vocab: int) -> None:
     t = torch.ones(world * 1024, device=device)
     out = torch.empty(1024, device=device)
     dist.all_reduce(t)
-    dist.all_gather_single(t, out)
-    dist.reduce_scatter_single(out, t)
+    _all_gather_single(t, out)
+    _reduce_scatter_single(out, t)
     dist.broadcast(t, 0)
     if world > 1:
         ops = [dist.P2POp(dist.isend, out, (rank + 1) % world), dist.P2POp(dist.irecv, out.clone(), (rank - 1) % world)]
@@ -234,6 +239,7 @@ def timed_block(eng: be.Engine, args, device, shape, vocab, mem: be.Memory) -> N
     dist.barrier()
     base = mem.now()
     mem.reset_peak()
+    calls = mem.allocator_calls()
     times, ends = [], []
     for _ in range(args.steps):
         sync(device)
@@ -242,6 +248,10 @@ def timed_block(eng: be.Engine, args, device, shape, vocab, mem: be.Memory) -> N
         sync(device)
         times.append(time.perf_counter() - t0)
         ends.append(mem.current())
+    if calls is not None:  # CUDA: what the caching allocator was asked for during the timed steps
+        after = mem.allocator_calls()
+        eng.extra["cuda_mallocs"] = eng.extra.get("cuda_mallocs", 0) + after[0] - calls[0]
+        eng.extra["allocs_per_step"] = (after[1] - calls[1]) / args.steps
     eng.transient_bytes = max(eng.transient_bytes, mem.peak() - base)
     eng.times.append(times)
     eng.end_mem.append(ends)
@@ -325,6 +335,9 @@ def run_compare(args, device) -> dict:
         out_engines.append(entry)
         if "log_comm" in eng.extra:
             footer.append(f"{eng.name}: " + bench_comm.compare_with_log(eng.extra["log_comm"], eng.comm) + ".")
+        if "cuda_mallocs" in eng.extra:
+            footer.append(f"{eng.name}: {eng.extra['cuda_mallocs']} cudaMalloc calls during the timed steps, "
+                          f"{eng.extra['allocs_per_step']:.0f} caching-allocator allocations per step.")
         if "plan_bytes" in eng.extra:
             footer.append(f"{eng.name}: memory_plan().total_bytes {br.mib(eng.extra['plan_bytes'])} MiB + AdamW state "
                           f"{br.mib(eng.extra['adamw_bytes'])} MiB (steady increment measured: {br.mib(steady)} MiB).")

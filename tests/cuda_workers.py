@@ -54,3 +54,42 @@ def collective_overlap(rank: int, world: int) -> dict:
                 if "nccl" in e.name.lower() and kind in e.name.lower().replace("_", "")]
         out[kind] = dict(count=len(comm), total=sum(b - a for a, b in comm), overlapped=_overlapped(comm, compute))
     return out
+
+
+def stream_overlap(dev: torch.device, steps: int = 2) -> dict:
+    """Train a bf16 8-layer Llama under the profiler on one device; split its GPU activity (kernels,
+    copies) into the compute stream (the stream with the most busy time) and every other stream.
+    Returns both totals (us), the side streams' count, and the part of their time during which a
+    compute-stream kernel ran."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = build("llama", hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                  num_attention_heads=16, num_key_value_heads=4, vocab_size=4096)
+    sm = yashard.shard(model, config=yashard.ShardConfig(param_dtype=torch.bfloat16))
+    opt = torch.optim.AdamW(sm.param_groups(0.1), lr=1e-3, fused=True)
+    ids = torch.randint(0, 4096, (4, 512), device=dev, generator=torch.Generator(dev).manual_seed(0))
+
+    def step():
+        sm(input_ids=ids, labels=ids).loss.backward()
+        sm.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize(dev)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize(dev)
+    gpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_stream: dict[int, list[tuple[float, float]]] = {}
+    for e in gpu:
+        by_stream.setdefault(e.device_resource_id, []).append((e.time_range.start, e.time_range.end))
+    busy = {s: sum(b - a for a, b in iv) for s, iv in by_stream.items()}
+    compute_stream = max(busy, key=busy.get)
+    side = [iv for s, ivs in by_stream.items() if s != compute_stream for iv in ivs]
+    names = sorted({e.name for e in gpu if e.device_resource_id != compute_stream})
+    return dict(streams=len(by_stream), compute=busy[compute_stream], side_count=len(side),
+                side=sum(b - a for a, b in side), overlapped=_overlapped(side, by_stream[compute_stream]),
+                side_names=names[:8])

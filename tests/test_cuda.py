@@ -108,10 +108,19 @@ def _fixed_buffers(sm_config, model, dev, requested):
         ptrs.append({k: t.data_ptr() for k, t in sm.runtime.allocated_tensors().items()})
         alloc.append(torch.cuda.memory_allocated(dev))
 
-    _train(sm, 6, ids, snapshot)
+    mallocs = []  # cudaMalloc calls so far (the caching allocator's segments ever created)
+    _train(sm, 6, ids, lambda: (snapshot(), mallocs.append(_stats(dev)["segment.all.allocated"])))
     assert all(p == ptrs[0] for p in ptrs)
     # after step one (AdamW state now exists) the memory at step end is constant
     assert len(set(alloc[1:])) == 1, alloc
+    # and the allocator asks the driver for nothing more: no cudaMalloc, no retry after a failed one
+    assert len(set(mallocs[1:])) == 1, mallocs
+    assert _stats(dev)["num_alloc_retries"] == 0
+
+
+def _stats(dev) -> dict:
+    torch.cuda.synchronize(dev)
+    return torch.cuda.memory_stats(dev)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (one NCCL rank skips its collectives)")
@@ -126,3 +135,16 @@ def test_collectives_overlap_compute():
         for kind, r in res.items():
             assert r["count"] > 0, f"rank {rank}: no NCCL {kind} kernel was recorded: {res}"
             assert r["overlapped"] > 0, f"rank {rank}: no {kind} ran while a compute kernel ran: {res}"
+
+
+def test_gathers_overlap_compute_on_one_gpu(nccl_group, monkeypatch):
+    """One GPU, a 1-rank NCCL group, the slots forced to gather (as at world > 1; at world 1 they
+    normally show the shards in place): each layer's gather (NCCL's one-rank all-gather, a copy on
+    its own stream) runs while the previous layer's kernels run on the compute stream."""
+    from cuda_workers import stream_overlap
+
+    monkeypatch.setattr(yashard.runtime, "direct_slots", lambda shard_world, config: False)
+    res = stream_overlap(torch.device("cuda", 0))
+    print("stream overlap, world 1, gathered slots:", res)
+    assert res["side_count"] > 0, f"no GPU work outside the compute stream: the gathers ran on it ({res})"
+    assert res["overlapped"] > 0, f"no gather ran while a compute kernel ran ({res})"

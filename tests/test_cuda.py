@@ -82,6 +82,10 @@ def test_buffers_fixed_and_memory_plan_matches_allocation(nccl_group, reshard):
 
     # earlier tests' models are cyclic garbage: a collection inside the measured span would free them
     gc.collect()
+    # and their buffers used by the communication stream (record_stream) are freed only once the
+    # allocator processes their events, lazily, at some later allocation: inside the span, unless now
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     gc.disable()
     try:
         _fixed_buffers(sm_config=yashard.ShardConfig(reshard_after_forward=reshard), model=model, dev=dev,
@@ -147,4 +151,6 @@ def test_gathers_overlap_compute_on_one_gpu(nccl_group, monkeypatch):
     res = stream_overlap(torch.device("cuda", 0))
     print("stream overlap, world 1, gathered slots:", res)
     assert res["side_count"] > 0, f"no GPU work outside the compute stream: the gathers ran on it ({res})"
-    assert res["overlapped"] > 0, f"no gather ran while a compute kernel ran ({res})"
+    # the host runs ahead of a GPU-bound step, so each prefetch waits on the GPU only for its slot's
+    # release and then copies while the compute stream runs the layer in between: most of it overlaps
+    assert res["overlapped"] > 0.5 * res["side"], f"most side-stream work ran with the compute stream idle ({res})"

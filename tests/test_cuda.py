@@ -154,3 +154,35 @@ def test_gathers_overlap_compute_on_one_gpu(nccl_group, monkeypatch):
     # the host runs ahead of a GPU-bound step, so each prefetch waits on the GPU only for its slot's
     # release and then copies while the compute stream runs the layer in between: most of it overlaps
     assert res["overlapped"] > 0.5 * res["side"], f"most side-stream work ran with the compute stream idle ({res})"
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_weight_gathers_train_alike_with_triton_and_torch_kernels(nccl_group, monkeypatch, bits):
+    """qwZ at world 1 (a quantized gather is not a direct slot): the Triton kernels, run inside the
+    training loop on the communication stream, give the losses and weights the torch fallback gives
+    (their dequantized values are bitwise equal; the rest of the step runs the same kernels)."""
+    import yashard.quant as Q
+
+    if not Q.triton_available():
+        pytest.skip("triton cannot be imported")
+    dev = torch.device("cuda", 0)
+    ids = batches(1, 4, 64, 96)[0].to(dev)
+
+    def run(backend):
+        if backend == "torch":
+            monkeypatch.setattr(Q, "_triton_module", lambda: None)
+        torch.manual_seed(0)
+        sm = yashard.shard(build("llama"), config=yashard.ShardConfig(quantized_weights=bits))
+        losses = _train(sm, 4, ids)
+        return losses, torch.cat([p.detach().float().reshape(-1) for p in sm.parameters()]).cpu()
+
+    mod, launched = Q._triton_module(), []
+    for name in ("launch_quantize", "launch_dequantize"):
+        orig = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _orig=orig, _name=name, **k: (launched.append(_name), _orig(*a, **k))[1])
+    got, got_w = run("triton")
+    assert {"launch_quantize", "launch_dequantize"} <= set(launched), launched
+    ref, ref_w = run("torch")
+    monkeypatch.undo()
+    assert got == pytest.approx(ref, rel=1e-6), (got, ref)
+    torch.testing.assert_close(got_w, ref_w, rtol=1e-5, atol=1e-6)

@@ -21,17 +21,16 @@ def _overlapped(intervals, others) -> float:
     return total
 
 
-def collective_overlap(rank: int, world: int) -> dict:
-    """Train a bf16 8-layer Llama for 2 steps under the profiler; per kind of NCCL kernel (all-gather,
-    reduce-scatter), its total time and the part of it during which a compute kernel ran."""
+def _profiled_gpu_work(dev: torch.device, batch: int, seq: int, seed: int, steps: int = 2) -> list:
+    """Train a bf16 8-layer Llama (hidden 1024) on ``dev``: 2 steps, then ``steps`` under the
+    profiler; returns the profiled GPU activities (kernels, copies, memsets) as profiler events."""
     from torch.profiler import ProfilerActivity, profile
 
-    dev = torch.device("cuda", rank)
     model = build("llama", hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
                   num_attention_heads=16, num_key_value_heads=4, vocab_size=4096)
     sm = yashard.shard(model, config=yashard.ShardConfig(param_dtype=torch.bfloat16))
     opt = torch.optim.AdamW(sm.param_groups(0.1), lr=1e-3, fused=True)
-    ids = torch.randint(0, 4096, (4, 512), device=dev, generator=torch.Generator(dev).manual_seed(rank))
+    ids = torch.randint(0, 4096, (batch, seq), device=dev, generator=torch.Generator(dev).manual_seed(seed))
 
     def step():
         sm(input_ids=ids, labels=ids).loss.backward()
@@ -41,12 +40,18 @@ def collective_overlap(rank: int, world: int) -> dict:
 
     for _ in range(2):
         step()
-    torch.cuda.synchronize()
+    torch.cuda.synchronize(dev)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(2):
+        for _ in range(steps):
             step()
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        torch.cuda.synchronize(dev)
+    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def collective_overlap(rank: int, world: int) -> dict:
+    """Train a bf16 8-layer Llama for 2 steps under the profiler; per kind of NCCL kernel (all-gather,
+    reduce-scatter), its total time and the part of it during which a compute kernel ran."""
+    kernels = _profiled_gpu_work(torch.device("cuda", rank), 4, 512, seed=rank)
     compute = [(e.time_range.start, e.time_range.end) for e in kernels if "nccl" not in e.name.lower()]
     out = {}
     for kind in ("allgather", "reducescatter"):
@@ -63,28 +68,7 @@ def stream_overlap(dev: torch.device, steps: int = 2, batch: int = 32, seq: int 
     compute-stream kernel ran. The batch is large enough for the GPU, not the host, to set the pace:
     in a host-bound step (seen on an H100 with 8 x 1024 tokens) the compute stream idles at every
     layer boundary while the host runs the hooks, and the copies issued there run in that gap."""
-    from torch.profiler import ProfilerActivity, profile
-
-    model = build("llama", hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-                  num_attention_heads=16, num_key_value_heads=4, vocab_size=4096)
-    sm = yashard.shard(model, config=yashard.ShardConfig(param_dtype=torch.bfloat16))
-    opt = torch.optim.AdamW(sm.param_groups(0.1), lr=1e-3, fused=True)
-    ids = torch.randint(0, 4096, (batch, seq), device=dev, generator=torch.Generator(dev).manual_seed(0))
-
-    def step():
-        sm(input_ids=ids, labels=ids).loss.backward()
-        sm.clip_grad_norm_(1.0)
-        opt.step()
-        opt.zero_grad()
-
-    for _ in range(2):
-        step()
-    torch.cuda.synchronize(dev)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize(dev)
-    gpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    gpu = _profiled_gpu_work(dev, batch, seq, seed=0, steps=steps)
     by_stream: dict[int, list[tuple[float, float]]] = {}
     for e in gpu:
         by_stream.setdefault(e.device_resource_id, []).append((e.time_range.start, e.time_range.end))

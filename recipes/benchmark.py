@@ -65,6 +65,7 @@ import torch.distributed as dist
 import bench_comm
 import bench_engines as be
 import bench_report as br
+from yashard import collectives
 
 SWEEPS = ("matrix", "scaling", "zeropp", "all")
 # The matrix: (model, micro-batch, accum) at the driver's world size, each in fp32 and bf16.
@@ -182,11 +183,6 @@ def reference(shape: dict, args, vocab: int) -> tuple[float, float]:
     return out.loss.item(), norm.item()
 
 
-# torch >= 2.13 names them *_single (the *_tensor names are deprecated there); older torch has only those
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
 def prime(shape: dict, args, device, vocab: int) -> None:
     """Pay, on every rank and before any engine is built, the one-time costs of the process that
     the first engine would otherwise be charged for (its memory is an increment of process RSS):
@@ -213,8 +209,9 @@ def prime(shape: dict, args, device, vocab: int) -> None:
     t = torch.ones(world * 1024, device=device)
     out = torch.empty(1024, device=device)
     dist.all_reduce(t)
-    _all_gather_single(t, out)
-    _reduce_scatter_single(out, t)
+    # (torch >= 2.13's *_single names, or the *_tensor ones before: yashard.collectives picks)
+    collectives._all_gather(t, out)
+    collectives._reduce_scatter(out, t)
     dist.broadcast(t, 0)
     if world > 1:
         ops = [dist.P2POp(dist.isend, out, (rank + 1) % world), dist.P2POp(dist.irecv, out.clone(), (rank - 1) % world)]

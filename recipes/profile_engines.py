@@ -25,6 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import bench_engines as be
 import benchmark
+import trace_stats
 
 
 def parse(argv=None) -> tuple[argparse.Namespace, argparse.Namespace]:
@@ -49,14 +50,8 @@ def _cpu_self_us(evt) -> float:
 
 def _busy_us(prof) -> float:
     """Time at least one kernel, copy or memset ran on the GPU (any stream): the union of their intervals."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                   if e.device_type == torch.autograd.DeviceType.CUDA)
-    total, end = 0.0, float("-inf")
-    for a, b in spans:
-        if b > end:
-            total += b - max(a, end)
-            end = b
-    return total
+    return trace_stats.length((e.time_range.start, e.time_range.end) for e in prof.events()
+                              if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
 def main(argv=None) -> None:

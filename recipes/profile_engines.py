@@ -73,7 +73,7 @@ def main(argv=None) -> None:
         for _ in range(args.warmup):
             be.train_step(eng, args, device, shape, vocab, mem)
     # Every engine is timed before any is profiled: once the profiler has run, the process's kernel
-    # launches stay slower (seen on an H100: +20-40% on a host-bound step), which would bias the
+    # launches stay slower (seen on an H100: +20-30% on a host-bound step), which would bias the
     # engines profiled first against the later ones. Blocks rotate so drift spreads over engines.
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(3):

@@ -1129,3 +1129,21 @@ def test_a_parameter_added_after_shard_is_refused_at_the_step(pg):
     with pytest.raises(RuntimeError, match=r"model\.layers\.0\.mlp\.up_proj\.weight \(shape \(\d+, \d+\)\) is a parameter "
                                            r"of the sharded model that yashard\.shard did not shard"):
         opt.step()
+
+
+def test_a_parameter_put_into_a_module_dict_after_a_step_is_refused(pg):
+    """The step's check compares a snapshot of the modules (their parameters and children) once it
+    has walked the model; a parameter written straight into ``_parameters``, where no setattr hook
+    sees it, still differs from the snapshot and is found."""
+    sm = yashard.shard(build())
+    opt = torch.optim.AdamW(sm.parameters(), lr=1e-3)
+    for _ in range(2):
+        _loss(sm).backward()
+        opt.step()  # nothing added yet: steps (the second through the snapshot)
+        opt.zero_grad()
+    attn = sm.module.model.layers[1].self_attn
+    attn._parameters["extra"] = nn.Parameter(torch.zeros(3))
+    _loss(sm).backward()
+    with pytest.raises(RuntimeError, match=r"model\.layers\.1\.self_attn\.extra \(shape \(3,\)\) is a parameter "
+                                           r"of the sharded model that yashard\.shard did not shard"):
+        opt.step()

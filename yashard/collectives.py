@@ -76,6 +76,8 @@ def _wait(work, timeout: float | None):
         return work.wait(timeout=datetime.timedelta(seconds=timeout))
     if isinstance(work, (WorkFuture, _Works)):
         return work.wait(timeout=timeout)
+    if isinstance(work, torch.futures.Future) and work.done():  # (a comm hook's, already complete)
+        return work.wait()
     if callable(getattr(work, "add_done_callback", None)):  # a torch.futures.Future (a comm hook's)
         landed = threading.Event()
         work.add_done_callback(lambda _: landed.set())  # (runs at once if it is done already)
@@ -226,6 +228,7 @@ class Comm:
         self.log = CollectiveLog()
         self.timeout = timeout  # seconds a wait may take before it raises (None: the group's own timeout)
         self._gloo: dict[tuple[int, str], bool] = {}
+        self._sizes: dict[int, int] = {}
         groups = None
         if mesh is not None and mesh.ndim != 1:
             groups = self._mesh_shard_groups(mesh, shard_group_size)
@@ -409,6 +412,13 @@ class Comm:
         g = self.shard_group if group is None else group
         return self._is_gloo(g) and dist.get_world_size(g) > 2
 
+    def _size(self, group: dist.ProcessGroup) -> int:
+        """``group``'s world size (looked up once per group)."""
+        size = self._sizes.get(id(group))
+        if size is None:
+            size = self._sizes[id(group)] = dist.get_world_size(group)
+        return size
+
     def _is_gloo(self, group: dist.ProcessGroup) -> bool:
         """Whether gloo carries this rank's tensors in ``group`` (a mixed ``"cpu:gloo,cuda:nccl"``
         group uses NCCL on CUDA)."""
@@ -424,6 +434,8 @@ class Comm:
         ``timeout``). Logged with ``t``'s size."""
         g = self.shard_group if group is None else group
         self.log.add("all_reduce", unit, t, self.name(g))
+        if self._size(g) == 1:  # (a sum or max over one rank is t itself: nothing to wait for)
+            return _Works([]) if async_op else None
         work = dist.all_reduce(t, op=_OPS[op], group=g, async_op=True)
         if async_op:
             return work
@@ -458,6 +470,8 @@ class Comm:
     def all_gather_tensor(self, t: torch.Tensor, what: str) -> torch.Tensor:
         """Every rank's ``t`` (whole data-parallel group) stacked along a new first dimension;
         blocking, bounded by ``timeout``. Not logged: for the runtime's own checks."""
+        if self.world == 1:
+            return t.reshape(1, *t.shape)
         out = torch.empty(self.world * t.numel(), dtype=t.dtype, device=t.device)
         self.wait(_all_gather(out, t.reshape(-1), group=self.group, async_op=True), what, host=True)
         return out.view(self.world, *t.shape)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 
@@ -24,7 +22,7 @@ class GateGradFlow(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, unit, token, *inputs):  # noqa: D102
-        ctx.unit = weakref.ref(unit)
+        ctx.unit = unit.ref
         return (token, *inputs)
 
     @staticmethod
@@ -49,7 +47,7 @@ class BackwardEntry(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, unit, fwd_id, views, *outputs):  # noqa: D102
-        ctx.unit = weakref.ref(unit)
+        ctx.unit = unit.ref
         ctx.fwd_id = fwd_id
         ctx.views = views
         return outputs

@@ -361,11 +361,12 @@ def step_checks(rt) -> None:
     # ranks' garbage collectors drop theirs at different times.
     scaled = rt.has_grad_scaler()
     check = cfg.on_nonfinite != "ignore" and not scaled
-    bad_grads = ~rt.grads_finite() if check else torch.zeros_like(rt.fwd_nonfinite)
-    local = torch.cat([rt.fwd_nonfinite.long(), bad_grads.long(),
+    bad_fwd = ~torch.isfinite(rt.fwd_sums)
+    bad_grads = ~rt.grads_finite() if check else torch.zeros_like(bad_fwd)
+    local = torch.cat([bad_fwd.long(), bad_grads.long(),
                        torch.tensor([int(scaled), log.crc, len(log.sequence)], device=rt.device)])
     every = comm.all_gather_tensor(local, "step checks (before the optimizer step)").cpu()
-    rt.fwd_nonfinite.zero_()
+    rt.fwd_sums.zero_()
     if cfg.debug_collectives:
         if not (every[:, 2 * n + 1:] == every[0, 2 * n + 1:]).all():
             _raise_divergence(rt)

@@ -17,6 +17,7 @@ rank's shard holds pieces of several parameters; :func:`shard_pieces` lists them
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -61,7 +62,7 @@ class Entry:
     shape: tuple[int, ...]
     offset: int
 
-    @property
+    @functools.cached_property
     def numel(self) -> int:
         return math.prod(self.shape)
 
@@ -113,7 +114,7 @@ class FlatLayout:
     def padding(self) -> int:
         return self.padded - self.total
 
-    @property
+    @functools.cached_property
     def signature(self) -> tuple:
         """Hashable description of which flat ranges hold parameters (used to skip re-zeroing)."""
         return (tuple((e.offset, e.numel) for e in self.entries), self.padded)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 
@@ -27,7 +25,7 @@ class Narrow(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, token, weights, unit, index):  # noqa: D102
-        ctx.unit = weakref.ref(unit)
+        ctx.unit = unit.ref
         ctx.index = index
         entry = unit.layout.entries[index]
         return weights.narrow(0, entry.offset, entry.numel).view(entry.shape)

@@ -20,7 +20,6 @@ import zlib
 import torch
 import torch.utils.checkpoint
 from torch import nn
-from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import guards, materialize
@@ -28,7 +27,8 @@ from .buffers import Slot
 from .collectives import Comm
 from .comm_hooks import GradBucket, reduce_scatter_hook
 from .config import ShardConfig, _dtype_name
-from .events import IN_PLACE, Completed, Pending, Streams
+from ._tree import diff_leaves, is_diff_tensor, put_back
+from .events import IN_PLACE, Completed, Pending, Streams, labelled
 from .gate_grad_flow import BackwardEntry, GateGradFlow
 from .layout import build_layout, slot_assignment
 from .memory import MemoryPlan, plan_memory
@@ -52,10 +52,6 @@ def _some_names(names: list[str], shown: int = 3) -> str:
     """``"a, b, c and 4 more"``: the first few of ``names`` for an error message."""
     more = f" and {len(names) - shown} more" if len(names) > shown else ""
     return ", ".join(names[:shown]) + more
-
-
-def _is_diff_tensor(x) -> bool:
-    return isinstance(x, torch.Tensor) and x.requires_grad and (x.is_floating_point() or x.is_complex())
 
 
 class Runtime:
@@ -83,6 +79,7 @@ class Runtime:
         self._last_reduction: Pending | None = None  # R6: the reduction writing reduce_out
         self.comm_hook = reduce_scatter_hook   # how each unit's gradients are reduced (comm_hooks.py)
         self.comm_hook_state = None
+        self._reduction_op = "gradient reduction (reduce_scatter_hook)"  # (named in collective errors)
         self._workspaces: dict[str, torch.Tensor] = {}   # comm hooks' persistent scratch buffers
         self._hook_planned = False  # the comm hook's workspace_plan was allocated (more is warned about)
         self._hook_registered = False  # register_comm_hook was called (once only)
@@ -317,9 +314,12 @@ class Runtime:
             # of the grad-enabled forward it belongs to are put back when its backward starts
             u.keep_backward_views = checkpointed or (u.kind == "small" and self.config.checkpoint_layers > 0)
         # Since the last optimizer step: did a unit's forward output / reduced gradient hold a NaN/inf?
-        self.fwd_nonfinite = torch.zeros(len(self.units), dtype=torch.bool, device=self.device)
+        # (forward: the sum of every grad-enabled forward's first floating output, NaN/inf if one held it)
+        self.fwd_sums = torch.zeros(len(self.units), dtype=torch.float32, device=self.device)
+        self._fwd_sums = list(self.fwd_sums.unbind())  # (one persistent 0-d view per unit)
         self._clip_finite = None  # (per-unit 'gradient is finite' flags, the grads' versions) of the last clip
         self.skipped_steps = 0
+        self._structure = None  # (module, its parameters, its children) at the last full check_no_new_parameters
         self.grad_scalers = weakref.WeakSet()  # enabled ShardedGradScalers: they own non-finite gradients
         self.warned_fp16 = False  # the fp16-without-ShardedGradScaler warning was logged
         guards.track(self, removed)  # weak references: the removed parameters are freed as usual
@@ -419,7 +419,7 @@ class Runtime:
         training = torch.is_grad_enabled() and not self.in_backward  # (a training forward's gather)
         # (no_grad: a c10d op has no autograd kernel, so an fp32 master as its input would give
         # the slot an autograd history through torch's fallback)
-        with torch.no_grad(), self.streams.comm_context(), record_function(label):
+        with torch.no_grad(), self.streams.comm_context(), labelled(label):
             if slot.release is not None:
                 self.streams.comm.wait_event(slot.release)
             out = slot.weights_io.narrow(0, 0, unit.layout.padded)
@@ -677,18 +677,24 @@ class Runtime:
         unit.written = [False] * len(unit.layout.entries)
         unit.fwd_trains = unit.master.requires_grad
         unit.fwd_backward = False
-        flat, spec = tree_flatten((args, kwargs))
-        idx = [i for i, x in enumerate(flat) if _is_diff_tensor(x)]
-        if not unit.fwd_trains and not idx:  # frozen, and no gradient flows through it: no backward
+        inputs = (args, kwargs)
+        diff = diff_leaves(inputs)
+        flat = spec = None
+        if diff is None:  # (another pytree container among the inputs: pytree finds them)
+            flat, spec = tree_flatten(inputs)
+            idx = [i for i, x in enumerate(flat) if is_diff_tensor(x)]
+            diff = [flat[i] for i in idx]
+        if not unit.fwd_trains and not diff:  # frozen, and no gradient flows through it: no backward
             unit.install_views(None, grad_forward=True)
             return None
         # (a frozen unit's gate takes a token that needs no gradient: its outputs need one only if
         # its inputs do; the gate then marks the end of its backward, when its slot is free again)
-        token, *gated = GateGradFlow.apply(unit, unit.token if unit.fwd_trains else unit.frozen_token,
-                                           *[flat[i] for i in idx])
+        token, *gated = GateGradFlow.apply(unit, unit.token if unit.fwd_trains else unit.frozen_token, *diff)
+        unit.install_views(token if unit.fwd_trains else None, grad_forward=True)
+        if spec is None:
+            return put_back(inputs, iter(gated))
         for i, g in zip(idx, gated):
             flat[i] = g
-        unit.install_views(token if unit.fwd_trains else None, grad_forward=True)
         return tree_unflatten(flat, spec)
 
     def _embedding_ahead_of_forward(self, unit: Unit, args, kwargs):
@@ -736,21 +742,23 @@ class Runtime:
             # (the slot is the unit's own: its weights stay readable, as plain views, so the modules
             # do not keep this forward's graph alive; nothing else reads them in this forward)
             unit.install_views(None)
-        flat, spec = tree_flatten(output)
-        if self.config.on_nonfinite != "ignore":  # which unit first produced a NaN/inf (step_checks)
+        if isinstance(output, torch.Tensor):  # (a decoder layer's output in transformers 5)
+            flat, spec, diff = None, None, [output] if is_diff_tensor(output) else []
+            first = output if output.is_floating_point() else None
+        else:
+            flat, spec = tree_flatten(output)
+            diff = [x for x in flat if is_diff_tensor(x)]
             first = next((x for x in flat if isinstance(x, torch.Tensor) and x.is_floating_point()), None)
-            if first is not None:
-                self.fwd_nonfinite[unit.order].logical_or_(_nonfinite(first.detach()))
-        if unit is self.embed:
-            return None  # the embedding needs no weights in backward
-        idx = [i for i, x in enumerate(flat) if _is_diff_tensor(x)]
-        if not idx:
-            return None
+        if first is not None and self.config.on_nonfinite != "ignore":
+            # which unit first produced a NaN/inf (step_checks): NaN and inf propagate through a sum
+            self._fwd_sums[unit.order].add_(first.detach().sum(dtype=torch.float32))
+        if unit is self.embed or not diff:
+            return None  # (the embedding needs no weights in backward)
         unit.fwd_backward = True
-        outs = BackwardEntry.apply(unit, self.grad_fwd_id, views, *[flat[i] for i in idx])
-        for i, o in zip(idx, outs):
-            flat[i] = o
-        return tree_unflatten(flat, spec)
+        outs = BackwardEntry.apply(unit, self.grad_fwd_id, views, *diff)
+        if spec is None:
+            return outs[0]
+        return tree_unflatten(put_back(flat, iter(outs)), spec)
 
     # ------------------------------------------------------------------ backward
     def begin_backward(self) -> None:
@@ -859,10 +867,10 @@ class Runtime:
         if self._last_reduction is not None:
             self._last_reduction.finish()  # R6: it may still be reading the shared output buffer
         bucket = GradBucket(self._bucket_index, unit.name, unit is self.small, self.comm, slot.name,
-                            slot.grads.narrow(0, 0, unit.layout.padded), self._reduce_output, self._workspace, n)
+                            unit.flat_grads(), self._reduce_output, self._workspace, n)
         self._bucket_index += 1
         label = "yashard::norm_group_reduce_scatter" if unit.kind == "small" else "yashard::reduce_scatter"
-        with torch.no_grad(), self.streams.comm_context(), record_function(label):
+        with torch.no_grad(), self.streams.comm_context(), labelled(label):
             self.streams.comm.wait_event(ready)
             work = self.comm_hook(self.comm_hook_state, bucket)
         if not callable(getattr(work, "wait", None)):
@@ -885,7 +893,7 @@ class Runtime:
                     + f" for {unit.name}; its future must hold this rank's shard of the SUM: a 1-D floating "
                     f"tensor of {n} elements"
                 )
-            with record_function("yashard::post_divide"):
+            with labelled("yashard::post_divide"):
                 if replicas is not None:
                     # (a hook's own value, in another dtype or strided: the replica sum in reduce_dtype, dense)
                     if value.dtype != gdt or not value.is_contiguous():
@@ -903,8 +911,7 @@ class Runtime:
                     master.grad.copy_(value).mul_(scale)
                 unit.grad_unwritten = False
 
-        what = _What(f"gradient reduction ({getattr(self.comm_hook, '__name__', 'comm hook')})", unit.name,
-                     self._phase_state())
+        what = _What(self._reduction_op, unit.name, self._phase_state())
         pending = Pending(self.streams, work, accumulate, functools.partial(self.comm.wait, what=what))
         slot.grad_busy = pending
         self._last_reduction = pending
@@ -970,7 +977,6 @@ class Runtime:
             self.in_backward = False
             self.backward_pending = False
 
-    @record_function("yashard::drain")
     def _drain(self) -> None:
         """Wait for every reduction in flight and, on CPU, every gather (compute waits on CUDA;
         the host waits on CPU).
@@ -981,11 +987,12 @@ class Runtime:
         forward did not reach) may still read its shard while the optimizer or ``_refresh_sources``
         writes it; its result is then thrown away, since it is used only while the masters keep the
         version it was gathered at (``gathered_version``)."""
-        for u in self.units:
-            if u.gathered is not None and not u.gathered.done:
-                u.gathered.wait()
-        for p in self.pending:
-            p.wait()
+        with labelled("yashard::drain"):
+            for u in self.units:
+                if u.gathered is not None and not u.gathered.done:
+                    u.gathered.wait()
+            for p in self.pending:
+                p.wait()
         self.pending.clear()
         self._last_reduction = None
         for slot in self.slots.values():
@@ -1049,7 +1056,15 @@ class Runtime:
 
     def check_no_new_parameters(self) -> None:
         """Raise if the HF module holds a parameter again (``yashard.shard`` took them all): one added
-        after sharding (a module replaced, say) is neither sharded nor reduced across ranks."""
+        after sharding (a module replaced, say) is neither sharded nor reduced across ranks.
+
+        The full walk runs when a module's parameters or children differ from the last walk's
+        (a parameter set, a module added or replaced, anywhere in the model); otherwise a snapshot
+        comparison (identity of each module's entries) stands for it."""
+        snapshot = self._structure
+        if snapshot is not None and all(tuple(m._parameters.values()) == params and tuple(m._modules.values()) == kids
+                                        for m, params, kids in snapshot):
+            return
         name, p = next(iter(nn.Module.named_parameters(self.model)), (None, None))  # (not the shards it answers)
         if name is not None:
             raise RuntimeError(
@@ -1058,6 +1073,7 @@ class Runtime:
                 "ranks and the ranks' copies drift apart. Make the change before yashard.shard (shard the changed "
                 "model), or freeze it as a buffer"
             )
+        self._structure = [(m, tuple(m._parameters.values()), tuple(m._modules.values())) for m in self.model.modules()]
 
     def check_grads_reduced(self, what: str) -> None:
         """Raise if a ``no_sync()`` backward left gradients that were never reduced across ranks, or
@@ -1092,6 +1108,7 @@ class Runtime:
             )
         self._check_same_hook(state, hook)
         self.comm_hook, self.comm_hook_state = hook, state
+        self._reduction_op = f"gradient reduction ({getattr(hook, '__name__', 'comm hook')})"
         self._hook_registered = True
         self._workspaces.clear()  # the default hook's buffers; the new hook asks for its own
         self._plan_hook_workspaces()

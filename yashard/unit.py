@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -79,6 +80,9 @@ class Unit:
         self.fqns = fqns            # per entry: every HF name of the parameter (tied names included)
         self.slot = slot
         self.master = master
+        self.ref = weakref.ref(self)  # (what the autograd nodes of this unit hold: see Narrow)
+        self._grad_views: list[torch.Tensor] | None = None  # per entry: its range of the grad slot
+        self._flat_grads: torch.Tensor | None = None  # the unit's padded range of the grad slot
         # What the master's storage is: gathers, the gradient buffer's attachment, checkpoint views
         # and the optimizer state all assume it stays (see Runtime.check_master_storage).
         self.master_storage = storage_key(master)
@@ -218,14 +222,26 @@ class Unit:
         rt.begin_backward()
         if not self.grad_claimed:
             rt.claim_grad_slot(self)
-        entry = self.layout.entries[index]
-        dst = self.slot.grads.narrow(0, entry.offset, entry.numel)
-        src = grad.reshape(-1)
+        dst = self.grad_views()[index]
         if self.written[index] or self.unreduced:
-            dst.add_(src)
+            dst.add_(grad)
         else:
-            dst.copy_(src)
+            dst.copy_(grad)
             self.written[index] = True
+
+    def flat_grads(self) -> torch.Tensor:
+        """The unit's flat, padded range of the grad slot (what its reduction reads; made once)."""
+        if self._flat_grads is None:
+            self._flat_grads = self.slot.grads.narrow(0, 0, self.layout.padded)
+        return self._flat_grads
+
+    def grad_views(self) -> list[torch.Tensor]:
+        """Per entry, its range of the grad slot in the parameter's shape (made once: the slot's
+        buffers live as long as the runtime)."""
+        if self._grad_views is None:
+            grads = self.slot.grads
+            self._grad_views = [grads.narrow(0, e.offset, e.numel).view(e.shape) for e in self.layout.entries]
+        return self._grad_views
 
     def zero_unwritten(self) -> None:
         """Zero every grad-slot range of this unit that this pass did not write.

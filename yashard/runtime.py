@@ -441,6 +441,12 @@ class Runtime:
                                 functools.partial(comm.wait, what=_What("all_gather", unit.name, self._phase_state())))
         slot.owner = unit
 
+    def _release(self, slot: Slot) -> None:
+        """Compute has issued its last read of ``slot``'s weights: record the event a gather into it
+        waits for (R1). A direct slot is never gathered into (it shows a shard in place): none."""
+        if not slot.direct:
+            slot.release = self.streams.record(self.streams.compute)
+
     def _phase_state(self) -> tuple[bool, bool, int]:
         """Where the runtime is (formatted by :class:`_What` only if an error needs it)."""
         return self.in_backward, torch.is_grad_enabled(), self.grad_fwd_id
@@ -727,7 +733,7 @@ class Runtime:
         )
 
     def _post_forward(self, unit: Unit, module, args, output):
-        unit.slot.release = self.streams.record(self.streams.compute)  # R1 for the next owner
+        self._release(unit.slot)  # R1 for the next owner
         if unit.views_until == "forward":
             unit.remove_views()
         if not torch.is_grad_enabled():
@@ -846,7 +852,7 @@ class Runtime:
         self.begin_backward()
         if not unit.fwd_trains:
             if unit.kind != "small":
-                unit.slot.release = self.streams.record(self.streams.compute)
+                self._release(unit.slot)
             unit.reduced_in_pass = True
             return
         if not unit.grad_claimed:
@@ -855,7 +861,7 @@ class Runtime:
         slot = unit.slot
         compute = self.streams.compute
         if unit.kind != "small":
-            slot.release = self.streams.record(compute)  # weights no longer read (R1 for re-gathers)
+            self._release(slot)  # weights no longer read (R1 for re-gathers)
         unit.grad_claimed = False
         unit.reduced_in_pass = True
         if not self._fwd_sync:  # no_sync(): the unit's own grad slot keeps accumulating, unreduced

@@ -334,3 +334,31 @@ def test_every_engine_gets_the_optimizer_asked_for():
         be.make_adamw(p, SimpleNamespace(optimizer="sgd"))
     args = benchmark.parse_args(["--optimizer", "adamw-fused"])
     assert benchmark._common(args)[-4:-2] == ["--optimizer", "adamw-fused"]  # the sweeps pass it on
+
+
+# ---------------------------------------------------------------------------------- host overhead
+def test_host_overhead_fit_recovers_a_line():
+    import host_overhead
+    a, b = host_overhead.fit([4, 8, 16], [1.0 + 0.25 * x for x in (4, 8, 16)])
+    assert a == pytest.approx(1.0) and b == pytest.approx(0.25)
+    assert host_overhead.fit([8], [3.0]) == (3.0, 0.0)
+
+
+def test_host_overhead_prints_both_engines_and_counts_each_hook_once_per_unit():
+    """A short run of recipes/host_overhead.py on one process: the table has a row per layer count,
+    and the breakdown counts the hooks per step as the runtime calls them (one pre-forward per
+    embedding, layer and head; one reduction per unit, the norm group's included)."""
+    import os
+    import subprocess
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    proc = subprocess.run([sys.executable, "host_overhead.py", "--layers", "1,2", "--steps", "2", "--repeats", "1",
+                           "--breakdown"], cwd=ROOT / "recipes", env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {line.split("|")[1].strip(): line for line in proc.stdout.splitlines() if line.startswith("| ")}
+    assert {"1", "2"} <= rows.keys() and "fitted overhead:" in proc.stdout
+    calls = {k: float(v.split("|")[3]) for k, v in rows.items() if "." in k}
+    assert calls["Runtime._pre_forward"] == 2 + 2  # embedding, 2 layers, head
+    assert calls["Runtime.on_unit_grads_complete"] == 2 + 3  # ... and the norm group
+    assert calls["Runtime.clip_grad_norm_"] == 1 and calls["guards.step_checks"] == 1

@@ -1147,3 +1147,20 @@ def test_a_parameter_put_into_a_module_dict_after_a_step_is_refused(pg):
     with pytest.raises(RuntimeError, match=r"model\.layers\.1\.self_attn\.extra \(shape \(3,\)\) is a parameter "
                                            r"of the sharded model that yashard\.shard did not shard"):
         opt.step()
+
+
+def test_backward_with_create_graph_is_refused_and_the_next_step_is_clean(pg):
+    """Gradients go into the flat buffers as data: a graph of them cannot be built, so
+    backward(create_graph=True) raises at the first gradient (naming the fix), and the next
+    micro-batch trains as if that backward never ran (the failed-backward reset)."""
+    ref, sm = build(), yashard.shard(build())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = torch.optim.SGD(sm.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match=r"backward\(create_graph=True\) reached .*Call backward\(\) without create_graph"):
+        _loss(sm, seed=1).backward(create_graph=True)
+    opt.zero_grad()
+    _loss(sm).backward()
+    opt.step()
+    _loss(ref).backward()
+    ref_opt.step()
+    torch.testing.assert_close(_loss(sm), _loss(ref), rtol=1e-5, atol=1e-6)

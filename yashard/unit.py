@@ -222,6 +222,12 @@ class Unit:
         rt.begin_backward()
         if not self.grad_claimed:
             rt.claim_grad_slot(self)
+        if grad.requires_grad:
+            raise RuntimeError(
+                f"backward(create_graph=True) reached {self.name}: yashard writes each gradient into its flat "
+                "gradient buffer as data, so a graph of the gradients (higher-order gradients, gradient "
+                "penalties) cannot be built through a sharded model. Call backward() without create_graph"
+            )
         dst = self.grad_views()[index]
         if self.written[index] or self.unreduced:
             dst.add_(grad)

@@ -46,18 +46,27 @@ their work handles only when a result is needed (:meth:`Pending.wait`). One code
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Callable
 
 import torch
 
 _UNLABELLED = contextlib.nullcontext()
+# Label every phase, whether or not a profiler records on this thread: for tools that observe
+# RecordFunction globally (a standalone ExecutionTraceObserver, on-demand Kineto tracing).
+ALWAYS_LABEL = os.environ.get("YASHARD_ALWAYS_LABEL", "0") not in ("", "0")
 
 
 def labelled(name: str):
-    """``torch.profiler.record_function(name)`` while a profiler records (the trace then shows
-    yashard's phases under ``yashard::...`` names), a shared no-op context otherwise: a label costs
-    microseconds of host time per call even when nothing records, and the hooks set several per layer."""
-    return torch.profiler.record_function(name) if torch._C._autograd._profiler_enabled() else _UNLABELLED
+    """``torch.profiler.record_function(name)`` while a profiler records on this thread
+    (``torch.profiler.profile``, ``torch.autograd.profiler``, ``emit_itt``/``emit_nvtx``; the trace
+    then shows yashard's phases under ``yashard::...`` names), a shared no-op context otherwise: a
+    label costs microseconds of host time per call even when nothing records, and the hooks set
+    several per layer. ``YASHARD_ALWAYS_LABEL=1`` labels always, for observers this check cannot
+    see (a standalone ``ExecutionTraceObserver``, on-demand Kineto tracing)."""
+    if ALWAYS_LABEL or torch._C._autograd._profiler_enabled():
+        return torch.profiler.record_function(name)
+    return _UNLABELLED
 
 
 class Streams:

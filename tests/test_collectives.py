@@ -139,6 +139,25 @@ def test_all_gather_names_a_size_or_dtype_mismatch(pg):
     assert comm.log.records == []  # a refused call is not logged (nor counted by the order guard)
 
 
+def test_a_backend_error_at_the_issue_is_a_collective_error_naming_the_collective(pg):
+    """gloo raises when a send is issued to a dead peer ("Connection closed by peer"), before any
+    wait: the runtime issues inside Comm.issuing, which turns that into the CollectiveError a failed
+    wait gives; a caller's mistake (ValueError) passes unchanged."""
+    from yashard.collectives import CollectiveError, Comm
+
+    comm = Comm(None)
+    with pytest.raises(CollectiveError, match=r"^yashard: all_gather of layer_3 \(forward #3\) on rank 0 of 1 failed: "
+                                              r"\[pair\.cc:553\] Connection closed by peer \[127\.0\.0\.1\]:1234\. A peer rank died") as got:
+        with comm.issuing("all_gather of layer_3 (forward #3)"):
+            raise RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:1234\nmore")
+    assert isinstance(got.value.__cause__, RuntimeError)
+    with pytest.raises(ValueError, match="^mistake$"):
+        with comm.issuing("all_gather of layer_3"):
+            raise ValueError("mistake")
+    with comm.issuing("nothing wrong"):
+        pass
+
+
 def test_backend_for_a_device_reads_mixed_backends():
     from yashard.collectives import backend_for
 

@@ -2,11 +2,13 @@
 pytree spec: the per-layer hooks do this twice per layer and forward, where ``torch.utils._pytree``'s
 flatten/unflatten cost tens of microseconds of host time.
 
-Contract: :func:`diff_leaves` and :func:`put_back` visit the same leaves in the same order, and see
-the same leaves ``torch.utils._pytree`` would: plain tuples, lists and dicts are walked; tensors and
-objects that are not pytree containers are leaves. Any other pytree container (a namedtuple, an
-``OrderedDict``, a HF ``ModelOutput``, a type registered with ``register_pytree_node``) makes
-:func:`diff_leaves` return ``None``: the caller then uses pytree itself.
+Contract: :func:`diff_leaves` and :func:`put_back` visit the same leaves in the same order, and find
+the same differentiable tensors, in the same order, as ``torch.utils._pytree``: plain tuples, lists
+and dicts are walked; tensors and objects that are not pytree containers are leaves (so is a
+``torch.Size``, which holds no tensor: it is passed on as it is, where pytree would rebuild it as a
+tuple). Any other pytree container (a namedtuple, an ``OrderedDict``, a HF ``ModelOutput``, a type
+registered with ``register_pytree_node``) makes :func:`diff_leaves` return ``None``: the caller then
+uses pytree itself.
 """
 
 from __future__ import annotations

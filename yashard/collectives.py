@@ -96,16 +96,40 @@ def wait_work(work, what, timeout: float | None, where: tuple[int, int] | None =
     except CollectiveError:
         raise
     except Exception as e:  # gloo/NCCL report timeouts and dead peers as RuntimeError
-        cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        at = f" on rank {where[0]} of {where[1]}" if where is not None else ""
-        raise CollectiveError(
-            f"yashard: {what}{at} failed: {cause}. A peer rank died, stalled, or issued a different sequence of "
-            "collectives (a rank that ran more or fewer forward passes or layers). Look for the first error "
-            "on the other ranks and compare the collective, layer and phase each rank names here (a rank that "
-            "waits in another phase, e.g. another forward, ran a different number of micro-batches); "
-            "ShardConfig(debug_collectives=True) finds a divergence that does not hang, at the next optimizer "
-            "step; ShardConfig(collective_timeout=...) bounds the wait"
-        ) from e
+        raise collective_failure(what, e, where) from e
+
+
+def collective_failure(what, e: BaseException, where: tuple[int, int] | None) -> CollectiveError:
+    """The :class:`CollectiveError` for collective ``what`` (op, unit, phase) that failed with ``e``
+    on rank ``where`` = (rank, world size), at its issue or its wait."""
+    cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    at = f" on rank {where[0]} of {where[1]}" if where is not None else ""
+    return CollectiveError(
+        f"yashard: {what}{at} failed: {cause}. A peer rank died, stalled, or issued a different sequence of "
+        "collectives (a rank that ran more or fewer forward passes or layers). Look for the first error "
+        "on the other ranks and compare the collective, layer and phase each rank names here (a rank that "
+        "waits in another phase, e.g. another forward, ran a different number of micro-batches); "
+        "ShardConfig(debug_collectives=True) finds a divergence that does not hang, at the next optimizer "
+        "step; ShardConfig(collective_timeout=...) bounds the wait"
+    )
+
+
+class _Issuing:
+    """See :meth:`Comm.issuing` (a class, not a generator: it wraps every gather and reduction)."""
+
+    __slots__ = ("what", "where")
+
+    def __init__(self, what, where: tuple[int, int]):
+        self.what, self.where = what, where
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, e, tb) -> bool:
+        # (gloo/NCCL errors are RuntimeErrors; a ValueError is a caller's mistake and stays as it is)
+        if e is not None and isinstance(e, RuntimeError) and not isinstance(e, CollectiveError):
+            raise collective_failure(self.what, e, self.where) from e
+        return False
 
 
 class WorkFuture:
@@ -434,13 +458,19 @@ class Comm:
         ``timeout``). Logged with ``t``'s size."""
         g = self.shard_group if group is None else group
         self.log.add("all_reduce", unit, t, self.name(g))
-        if self._size(g) == 1:  # (a sum or max over one rank is t itself: nothing to wait for)
-            return _Works([]) if async_op else None
+        if self._size(g) == 1 and not async_op:  # (a sum or max over one rank is t itself: nothing to wait for)
+            return None
         work = dist.all_reduce(t, op=_OPS[op], group=g, async_op=True)
         if async_op:
             return work
         self.wait(work, f"all_reduce of {unit}")
         return None
+
+    def issuing(self, what) -> "_Issuing":
+        """Context around issuing collective ``what``: a backend error raised already at the issue
+        (gloo raises there when a peer's connection is closed: the peer died) becomes the same
+        :class:`CollectiveError` a failed wait gives."""
+        return _Issuing(what, (self.rank, self.world))
 
     def wait(self, work, what: str, *, host: bool = False):
         """:func:`wait_work` with this rank's coordinates and the timeout that applies.

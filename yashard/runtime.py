@@ -315,7 +315,9 @@ class Runtime:
             u.keep_backward_views = checkpointed or (u.kind == "small" and self.config.checkpoint_layers > 0)
         # Since the last optimizer step: did a unit's forward output / reduced gradient hold a NaN/inf?
         # (forward: the sum of every grad-enabled forward's first floating output, NaN/inf if one held it)
-        self.fwd_sums = torch.zeros(len(self.units), dtype=torch.float32, device=self.device)
+        # (fp64 where the device has it: fp32-finite sums of many forwards cannot overflow it)
+        self.fwd_sums = torch.zeros(len(self.units), device=self.device,
+                                    dtype=torch.float64 if self.device.type in ("cpu", "cuda") else torch.float32)
         self._fwd_sums = list(self.fwd_sums.unbind())  # (one persistent 0-d view per unit)
         self._clip_finite = None  # (per-unit 'gradient is finite' flags, the grads' versions) of the last clip
         self.skipped_steps = 0
@@ -419,7 +421,8 @@ class Runtime:
         training = torch.is_grad_enabled() and not self.in_backward  # (a training forward's gather)
         # (no_grad: a c10d op has no autograd kernel, so an fp32 master as its input would give
         # the slot an autograd history through torch's fallback)
-        with torch.no_grad(), self.streams.comm_context(), labelled(label):
+        what = _What("all_gather", unit.name, self._phase_state())
+        with torch.no_grad(), self.streams.comm_context(), labelled(label), comm.issuing(what):
             if slot.release is not None:
                 self.streams.comm.wait_event(slot.release)
             out = slot.weights_io.narrow(0, 0, unit.layout.padded)
@@ -438,7 +441,7 @@ class Runtime:
                     unit.secondary_version = unit.master._version
         unit.gathered_version = unit.master._version
         unit.gathered = Pending(self.streams, work, on_done,
-                                functools.partial(comm.wait, what=_What("all_gather", unit.name, self._phase_state())))
+                                functools.partial(comm.wait, what=what))
         slot.owner = unit
 
     def _release(self, slot: Slot) -> None:
@@ -876,7 +879,8 @@ class Runtime:
                             unit.flat_grads(), self._reduce_output, self._workspace, n)
         self._bucket_index += 1
         label = "yashard::norm_group_reduce_scatter" if unit.kind == "small" else "yashard::reduce_scatter"
-        with torch.no_grad(), self.streams.comm_context(), labelled(label):
+        what = _What(self._reduction_op, unit.name, self._phase_state())
+        with torch.no_grad(), self.streams.comm_context(), labelled(label), self.comm.issuing(what):
             self.streams.comm.wait_event(ready)
             work = self.comm_hook(self.comm_hook_state, bucket)
         if not callable(getattr(work, "wait", None)):
@@ -917,7 +921,6 @@ class Runtime:
                     master.grad.copy_(value).mul_(scale)
                 unit.grad_unwritten = False
 
-        what = _What(self._reduction_op, unit.name, self._phase_state())
         pending = Pending(self.streams, work, accumulate, functools.partial(self.comm.wait, what=what))
         slot.grad_busy = pending
         self._last_reduction = pending

@@ -79,7 +79,7 @@ class Runtime:
         self._last_reduction: Pending | None = None  # R6: the reduction writing reduce_out
         self.comm_hook = reduce_scatter_hook   # how each unit's gradients are reduced (comm_hooks.py)
         self.comm_hook_state = None
-        self._reduction_op = "gradient reduction (reduce_scatter_hook)"  # (named in collective errors)
+        self._reduction_op = f"gradient reduction ({reduce_scatter_hook.__name__})"  # (named in collective errors)
         self._workspaces: dict[str, torch.Tensor] = {}   # comm hooks' persistent scratch buffers
         self._hook_planned = False  # the comm hook's workspace_plan was allocated (more is warned about)
         self._hook_registered = False  # register_comm_hook was called (once only)

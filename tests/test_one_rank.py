@@ -45,22 +45,33 @@ def test_one_rank_reads_the_shards_in_place_and_matches_the_copying_path(pg, mon
     assert not [k for k in allocated if k.endswith(".weights")]  # no weight buffers at all
     assert "reduce_out" not in allocated  # the default hook's sum over one rank is the buffer itself
     assert sm.memory_plan().total_bytes == sum(t.numel() * t.element_size() for t in allocated.values())
-    rows = {r.name: r for r in sm.memory_plan().rows}
-    for slot in rt.slots.values():  # a slot row counts gradients only
+    # ... and no gradient buffers either: Narrow added each gradient to the master's in place
+    assert rt.direct_grads and all(s.grads.numel() == 0 for s in rt.slots.values())
+    assert not [r for r in sm.memory_plan().rows if r.name.startswith("slot ")]
+    assert "no slot buffers" in sm.memory_plan().formula
+    # the same training through gradient slots reduced into the masters' gradients ...
+    monkeypatch.setattr(rt_mod, "direct_grads", lambda direct, world, cfg: False)
+    mid, mid_losses, mid_params, mid_views = _train(dtype)
+    assert mid.runtime.direct and set(mid_views) == {mid.runtime.layers[1].gather_src.untyped_storage().data_ptr()}
+    rows = {r.name: r for r in mid.memory_plan().rows}
+    for slot in mid.runtime.slots.values():  # a slot row counts gradients only
+        assert slot.grads.numel() == slot.numel
         assert rows[f"slot {slot.name}"].bytes == slot.grads.numel() * slot.grads.element_size()
         assert "grads (weights: the unit's own shard)" in rows[f"slot {slot.name}"].formula
-    # the same training through gathered copies (the path of every larger shard group)
+    # ... and through gathered copies as well (the path of every larger shard group)
     monkeypatch.setattr(rt_mod, "direct_slots", lambda w, cfg: False)
     ref, ref_losses, ref_params, ref_views = _train(dtype)
     assert not ref.runtime.direct and len(set(ref_views)) == 1
     assert set(ref_views) != {ref.runtime.layers[1].gather_src.untyped_storage().data_ptr()}
-    assert torch.equal(losses, ref_losses)
-    assert params.keys() == ref_params.keys()
-    for k in params:
-        assert torch.equal(params[k], ref_params[k]), k
-    plan, ref_plan = sm.memory_plan().total_bytes, ref.runtime.memory_plan().total_bytes
-    slots = ref.runtime.slots.values()
-    assert ref_plan - plan == sum(s.numel * s.weights.element_size() for s in slots)
+    for other_losses, other_params in ((mid_losses, mid_params), (ref_losses, ref_params)):
+        assert torch.equal(losses, other_losses)
+        assert params.keys() == other_params.keys()
+        for k in params:
+            assert torch.equal(params[k], other_params[k]), k
+    plan, mid_plan = sm.memory_plan().total_bytes, mid.runtime.memory_plan().total_bytes
+    ref_plan = ref.runtime.memory_plan().total_bytes
+    assert mid_plan - plan == sum(s.numel * s.grads.element_size() for s in mid.runtime.slots.values())
+    assert ref_plan - mid_plan == sum(s.numel * s.weights.element_size() for s in ref.runtime.slots.values())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -149,3 +160,50 @@ def test_a_plain_grad_scaler_works_over_a_one_rank_shard_group(pg):
     scaler.step(opt)
     scaler.update()
     assert scaler.get_scale() == 8.0 and not all(torch.equal(b, p) for b, p in zip(before, sm.parameters()))
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_gradients_added_in_place_match_the_gradient_slot_path(pg, monkeypatch, reshard):
+    """Over one rank Narrow adds each gradient to ``master.grad`` itself (``direct_grads``). Through
+    both ``zero_grad`` modes, accumulation (``no_sync()`` where it is allowed), a partly frozen unit,
+    a ``.grad`` the user assigned and a shard turned off between forward and backward, the gradients
+    are bitwise those of the gradient-slot path."""
+    import contextlib
+
+    def run():
+        model = build()
+        model.model.layers[0].mlp.up_proj.requires_grad_(False)  # layer 0's unit is partly frozen
+        sm = yashard.shard(model, config=yashard.ShardConfig(reshard_after_forward=reshard))
+        opt = torch.optim.SGD(sm.parameters(), lr=0.1)
+        seen = []
+        for i, ids in enumerate(batches(4, 2, 8, sm.module.config.vocab_size)):
+            unsynced = not reshard and i % 2 == 0
+            with sm.no_sync() if unsynced else contextlib.nullcontext():
+                sm(input_ids=ids, labels=ids).loss.backward()
+            if i % 2:
+                seen.append(sm.full_grads())
+                opt.step()
+                opt.zero_grad(set_to_none=i == 1)
+        shards = dict(sm.named_parameters())
+        for name, p in shards.items():  # a gradient the user put there is added to, as torch would
+            if p.requires_grad:
+                p.grad = torch.full_like(p, 0.5)
+        head = shards["shards.lm_head"]
+        loss = sm(input_ids=ids, labels=ids).loss
+        head.requires_grad_(False)  # turned off after its forward: torch leaves its .grad alone
+        head.grad = None
+        loss.backward()
+        seen.append(sm.full_grads())
+        return sm.runtime.direct_grads, seen
+
+    direct, got = run()
+    monkeypatch.setattr(rt_mod, "direct_grads", lambda direct, world, cfg: False)
+    slots, want = run()
+    assert direct and not slots
+    assert len(got) == len(want) == 3
+    for g, w in zip(got, want):
+        assert g.keys() == w.keys()
+        for k in g:
+            assert torch.equal(g[k], w[k]), k
+    assert torch.all(got[-1]["lm_head.weight"] == 0)  # (full_grads: zeros for a shard without .grad)
+    assert torch.all(got[-1]["model.layers.0.mlp.up_proj.weight"] == 0.5)  # frozen: the assigned value

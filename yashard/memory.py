@@ -65,6 +65,8 @@ def plan_memory(rt: "Runtime") -> MemoryPlan:
     rows = []
     frozen_slots = any(slot.grad_numel != slot.numel for slot in rt.slots.values())
     for slot in rt.slots.values():
+        if rt.direct_grads:  # one rank: views read the shards, gradients go into the grad shards
+            break
         s, gs = slot.numel, slot.grad_numel
         if gs != s:  # units whose parameters are all frozen use it: grads sized by the others (G)
             weights = "weights: the unit's own shard" if slot.direct else f"S*{p} weights"
@@ -110,9 +112,14 @@ def plan_memory(rt: "Runtime") -> MemoryPlan:
     cast = f"+{p}" if cfg.param_dtype != torch.float32 else ""
     masters = f"N/W*(4{cast})" if cast else "N/W*4"
     shards = f"N/W*(8{cast})" if nt == n else f"{masters} + T/W*4" + (" + F*4" if nf else "")
+    if rt.direct_grads:
+        slots = "no slot buffers (one rank: the views read the shards, gradients are added to the grad shards)"
+    elif frozen_slots:
+        slots = f"sum over slots {'' if rt.direct else f'S*{p} + '}G*{g}"
+    else:
+        slots = f"sum over slots S*({g if rt.direct else f'{p}+{g}'})"
     formula = (
-        (f"sum over slots {'' if rt.direct else f'S*{p} + '}G*{g}" if frozen_slots else
-         f"sum over slots S*({g if rt.direct else f'{p}+{g}'})") + f"{f' + max {big}/W*{g}' if out else ''} + {shards}"
+        slots + f"{f' + max {big}/W*{g}' if out else ''} + {shards}"
         + extra + (" + qwZ codes" if cfg.quantized_weights else "") + (" + comm hook scratch" if rt._workspaces else "")
     )
     return MemoryPlan(tuple(rows), w, adamw_bytes=8 * nt, formula=formula)

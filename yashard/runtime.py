@@ -233,15 +233,17 @@ class Runtime:
             grad_sizes[name] = max(grad_sizes.get(name, 0), layouts[key].padded if trains else 0)
         gdt = cfg.wire_dtype
         self.direct = direct_slots(w, cfg)
+        self.direct_grads = direct_grads(self.direct, self.dp_world, cfg)
+        self._slot_grad_sizes = grad_sizes  # (what the slots' gradient buffers hold when they have one)
         self.slots = {
             name: Slot(name, numel, w, cfg.param_dtype, gdt, self.device, direct=self.direct,
-                       grad_numel=grad_sizes[name])
+                       grad_numel=0 if self.direct_grads else grad_sizes[name])
             for name, numel in slot_sizes.items()
             if numel > 0
         }
         # One reduce-scatter output for every slot: reductions run one after the other (R6). Over one
         # rank the default hook's sum is the gradient buffer itself: allocated only if a hook asks.
-        self._reduce_out_numel = max(s.grad_numel for s in self.slots.values()) // w
+        self._reduce_out_numel = max(grad_sizes[name] for name in self.slots) // w
         self.reduce_out = None
         if w > 1:
             self._reduce_output(0)
@@ -867,6 +869,9 @@ class Runtime:
             self._release(slot)  # weights no longer read (R1 for re-gathers)
         unit.grad_claimed = False
         unit.reduced_in_pass = True
+        if self.direct_grads:  # Narrow added them to master.grad in place: that was the reduction.
+            unit.unreduced = not self._fwd_sync  # (no_sync(): a step before a synced backward is refused
+            return                               # here too, as it must be on more ranks)
         if not self._fwd_sync:  # no_sync(): the unit's own grad slot keeps accumulating, unreduced
             unit.unreduced = True  # (its grad_storage version is taken at the end of the backward)
             return
@@ -1116,11 +1121,24 @@ class Runtime:
                 "were reduced by the default hook)"
             )
         self._check_same_hook(state, hook)
+        if self.direct_grads:  # a hook reduces from the gradient slots: give them their buffers
+            self._allocate_grad_slots()
         self.comm_hook, self.comm_hook_state = hook, state
         self._reduction_op = f"gradient reduction ({getattr(hook, '__name__', 'comm hook')})"
         self._hook_registered = True
         self._workspaces.clear()  # the default hook's buffers; the new hook asks for its own
         self._plan_hook_workspaces()
+
+    def _allocate_grad_slots(self) -> None:
+        """Leave the in-place gradient path (:func:`direct_grads`): before the first forward, the
+        slots get the gradient buffers they would have had from ``shard()`` on."""
+        self.direct_grads = False
+        for name, slot in self.slots.items():
+            slot.grad_numel = self._slot_grad_sizes[name]
+            slot.grads = torch.zeros(slot.grad_numel, dtype=self.config.wire_dtype, device=self.device)
+        for u in self.units:
+            u._grad_views = u._flat_grads = None
+        self.streams.share_with_comm([s.grads for s in self.slots.values()])
 
     def _check_same_hook(self, state, hook) -> None:
         """Every rank must reduce with the same hook and state settings, or their collectives
@@ -1258,6 +1276,13 @@ class Runtime:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+
+def direct_grads(direct: bool, dp_world: int, config: ShardConfig) -> bool:
+    """Over one data-parallel rank with direct slots and fp32 reductions, reducing a unit's gradients
+    is adding them to its master gradient: ``Narrow`` writes them there in place (no gradient slot,
+    no copy, no reduction). A registered comm hook turns this off (it reduces from the slots)."""
+    return direct and dp_world == 1 and config.wire_dtype == torch.float32
 
 
 def direct_slots(shard_world: int, config: ShardConfig) -> bool:

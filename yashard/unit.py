@@ -228,6 +228,17 @@ class Unit:
                 "gradient buffer as data, so a graph of the gradients (higher-order gradients, gradient "
                 "penalties) cannot be built through a sharded model. Call backward() without create_graph"
             )
+        if rt.direct_grads:  # one rank: the gradient goes straight into master.grad, summed as torch would
+            target = self.master.grad
+            if target is None:  # turned off (requires_grad=False) since its forward: as torch, none accumulates
+                return
+            dst = (self.grad_views() if target is self.grad_storage else self._entry_views(target))[index]
+            if self.written[index] or not self.grad_unwritten:
+                dst.add_(grad)
+            else:  # the first write into a gradient that zero_grad(set_to_none=True) dropped
+                dst.copy_(grad)
+                self.written[index] = True
+            return
         dst = self.grad_views()[index]
         if self.written[index] or self.unreduced:
             dst.add_(grad)
@@ -242,12 +253,15 @@ class Unit:
         return self._flat_grads
 
     def grad_views(self) -> list[torch.Tensor]:
-        """Per entry, its range of the grad slot in the parameter's shape (made once: the slot's
-        buffers live as long as the runtime)."""
+        """Per entry, its range of the grad slot in the parameter's shape (with
+        ``Runtime.direct_grads``: of the unit's persistent gradient storage); made once, as both
+        live as long as the runtime."""
         if self._grad_views is None:
-            grads = self.slot.grads
-            self._grad_views = [grads.narrow(0, e.offset, e.numel).view(e.shape) for e in self.layout.entries]
+            self._grad_views = self._entry_views(self.grad_storage if self.rt.direct_grads else self.slot.grads)
         return self._grad_views
+
+    def _entry_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [flat.narrow(0, e.offset, e.numel).view(e.shape) for e in self.layout.entries]
 
     def zero_unwritten(self) -> None:
         """Zero every grad-slot range of this unit that this pass did not write.
@@ -256,6 +270,13 @@ class Unit:
         gaps and padding are re-zeroed only when the previous writer had another layout. Under
         ``no_sync()`` accumulation the ranges keep what earlier backwards wrote.
         """
+        if self.rt.direct_grads:  # master.grad itself: only a dropped one (set_to_none) holds stale values
+            grads = self.master.grad
+            if grads is not None and self.grad_unwritten:
+                for lo, hi in uncovered_ranges(self.layout, self.written) + list(self.layout.gaps()):
+                    grads[lo:hi].zero_()
+                self.grad_unwritten = False
+            return
         grads = self.slot.grads
         if not self.unreduced:  # else those ranges hold earlier micro-batches' gradients
             for lo, hi in uncovered_ranges(self.layout, self.written):

@@ -71,6 +71,29 @@ def test_parity_world_one_with_real_streams(nccl_group):
     assert max(abs(a - b) / abs(b) for a, b in zip(got, ref)) < 1e-5, (got, ref)
 
 
+def test_a_backward_called_on_another_stream_returns_with_every_gradient_written(nccl_group):
+    """Over one rank Narrow adds the gradients to master.grad on the stream the forward ran on;
+    autograd syncs the caller's stream only with streams that produced leaf gradients (none here),
+    so the runtime's end-of-backward callback makes the caller's stream wait for the compute
+    stream. The compute stream is held back by a sleep kernel: without that wait the caller's
+    stream would read the gradients before the backward's kernels ran."""
+    dev = torch.device("cuda", 0)
+    ids = batches(1, 4, 64, 96)[0].to(dev)
+    sm = yashard.shard(build("llama"))
+    assert sm.runtime.direct_grads
+    loss = sm(input_ids=ids, labels=ids).loss
+    side = torch.cuda.Stream(device=dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    torch.cuda._sleep(200_000_000)  # (on the compute stream, ahead of every backward kernel)
+    with torch.cuda.stream(side):
+        loss.backward()
+        seen = [p.grad.clone() for p in sm.parameters()]
+    torch.cuda.synchronize()
+    final = [p.grad for p in sm.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(seen, final))
+    assert all(bool(g.abs().sum() > 0) for g in final)
+
+
 @pytest.mark.parametrize("reshard", [True, False])
 def test_buffers_fixed_and_memory_plan_matches_allocation(nccl_group, reshard):
     dev = torch.device("cuda", 0)

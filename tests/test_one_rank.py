@@ -3,6 +3,8 @@ no gather copies and no weight buffers, with results bitwise those of the copyin
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -165,9 +167,9 @@ def test_a_plain_grad_scaler_works_over_a_one_rank_shard_group(pg):
 @pytest.mark.parametrize("reshard", [True, False])
 def test_gradients_added_in_place_match_the_gradient_slot_path(pg, monkeypatch, reshard):
     """Over one rank Narrow adds each gradient to ``master.grad`` itself (``direct_grads``). Through
-    both ``zero_grad`` modes, accumulation (``no_sync()`` where it is allowed), a partly frozen unit,
-    a ``.grad`` the user assigned and a shard turned off between forward and backward, the gradients
-    are bitwise those of the gradient-slot path."""
+    both ``zero_grad`` modes, accumulation (``no_sync()`` where the slot path allows it, starting
+    from zeroed gradients), a partly frozen unit, a ``.grad`` the user assigned and a shard turned
+    off between forward and backward, the gradients are bitwise those of the gradient-slot path."""
     import contextlib
 
     def run():
@@ -188,11 +190,9 @@ def test_gradients_added_in_place_match_the_gradient_slot_path(pg, monkeypatch, 
         for name, p in shards.items():  # a gradient the user put there is added to, as torch would
             if p.requires_grad:
                 p.grad = torch.full_like(p, 0.5)
-        head = shards["shards.lm_head"]
         loss = sm(input_ids=ids, labels=ids).loss
-        head.requires_grad_(False)  # turned off after its forward: torch leaves its .grad alone
-        head.grad = None
-        loss.backward()
+        shards["shards.lm_head"].requires_grad_(False)  # turned off after its forward: torch leaves
+        loss.backward()                                 # its .grad alone
         seen.append(sm.full_grads())
         return sm.runtime.direct_grads, seen
 
@@ -205,5 +205,54 @@ def test_gradients_added_in_place_match_the_gradient_slot_path(pg, monkeypatch, 
         assert g.keys() == w.keys()
         for k in g:
             assert torch.equal(g[k], w[k]), k
-    assert torch.all(got[-1]["lm_head.weight"] == 0)  # (full_grads: zeros for a shard without .grad)
+    assert torch.all(got[-1]["lm_head.weight"] == 0.5)
     assert torch.all(got[-1]["model.layers.0.mlp.up_proj.weight"] == 0.5)  # frozen: the assigned value
+
+
+def test_no_sync_at_one_rank_accumulates_in_place_as_torch_does(pg):
+    """Over one rank no_sync() needs no buffers of its own (the gradients accumulate in master.grad,
+    as in plain torch): it is allowed with the default config, and sync -> no_sync -> sync gives the
+    gradients of three plain backwards, bitwise (the slot path would add the unsynced micro-batch's
+    gradients to the others in another order)."""
+    model = build()
+    ref = build()
+    ref.load_state_dict(model.state_dict())
+    sm = yashard.shard(model)
+    micro = batches(3, 2, 8, ref.config.vocab_size)
+    for i, ids in enumerate(micro):
+        with sm.no_sync() if i == 1 else contextlib.nullcontext():
+            sm(input_ids=ids, labels=ids).loss.backward()
+        ref(input_ids=ids, labels=ids).loss.backward()
+    got = sm.full_grads()
+    for name, p in ref.named_parameters():
+        assert torch.equal(got[name], p.grad), name
+
+
+def test_a_failed_backward_at_one_rank_zeroes_every_gradient_it_reached(pg):
+    """Narrow writes master.grad as the backward goes, so a backward that raises midway has already
+    added to some of them, an assigned .grad included: the next forward zeroes them all, and the
+    batch after trains as on a fresh model."""
+    def run(fail: bool):
+        sm = yashard.shard(build())
+        boom = {"on": fail}
+
+        def raise_once(module, grad_in, grad_out):
+            if boom.pop("on", False):
+                raise RuntimeError("simulated out of memory")
+
+        sm.module.model.layers[1].register_full_backward_hook(raise_once)
+        for p in sm.parameters():
+            p.grad = torch.full_like(p, 0.5)
+        a, b = batches(2, 2, 8, sm.module.config.vocab_size)
+        if fail:
+            with pytest.raises(RuntimeError, match="simulated out of memory"):
+                sm(input_ids=a, labels=a).loss.backward()
+        else:
+            for p in sm.parameters():
+                p.grad.zero_()
+        sm(input_ids=b, labels=b).loss.backward()
+        return sm.full_grads()
+
+    got, want = run(True), run(False)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k

@@ -38,6 +38,11 @@ Backward, layer i (the last two layers are still resident from the forward)::
                                                                                                    |
     compute (layer i-2, first gradient write into the same grad slot) : wait(red i) (R4) ----------+
 
+Over one rank (direct slots and ``Runtime.direct_grads``) nothing is gathered or reduced: the
+views read the shards and ``Narrow`` adds the gradients to ``master.grad`` on the compute stream,
+so nothing reaches the communication stream, and the end of a backward makes the caller's stream
+wait for the compute stream (:meth:`Streams.current_waits_for_backward`).
+
 On CPU, ``torch.cpu`` streams and events are no-ops and kernels run in program order on the host,
 so R1-R4 hold by construction; gloo collectives run on gloo's worker threads and the host waits on
 their work handles only when a result is needed (:meth:`Pending.wait`). One code path serves both.
@@ -107,10 +112,16 @@ class Streams:
                 if t.numel():
                     t.record_stream(self.comm)
 
-    def current_waits_for_comm(self) -> None:
-        """Make the stream current now (the one ``backward()`` was called on, which need not be the
-        forward's compute stream) wait for everything queued on the communication stream."""
-        self.mod.current_stream(self.device).wait_stream(self.comm)
+    def current_waits_for_backward(self) -> None:
+        """End of a backward: make the stream current now (the one ``backward()`` was called on,
+        which need not be the forward's compute stream) wait for everything queued on the
+        communication stream (the reductions into ``master.grad``) and on the compute stream (the
+        backward's kernels ran there, and over one rank ``Narrow`` wrote ``master.grad`` itself:
+        autograd syncs the caller only with streams that produced leaf gradients)."""
+        current = self.mod.current_stream(self.device)
+        current.wait_stream(self.comm)
+        if current != self.compute:
+            current.wait_stream(self.compute)
 
 
 class Completed:

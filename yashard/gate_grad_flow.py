@@ -12,7 +12,8 @@ class GateGradFlow(torch.autograd.Function):
     unit (positional or keyword) before the unit runs. Every ``Narrow`` view of the unit is built
     from the returned token, and the unit computes on the returned inputs. Autograd therefore runs
     this backward
-      * after every ``Narrow.backward`` of the unit (all weight gradients are in the grad slot), and
+      * after every ``Narrow.backward`` of the unit (all weight gradients are in the grad slot, or over
+        one rank in ``master.grad``), and
       * before any gradient reaches the ops that produced the unit's inputs (the previous layer).
     That is the moment the unit's gradients are complete, independent of the engine's scheduling
     order. Gradients pass through unchanged. Outputs are views of the inputs, so the unit must not

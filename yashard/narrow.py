@@ -1,4 +1,5 @@
-"""``Narrow``: parameters as views into a weight slot, gradients written straight into a grad slot."""
+"""``Narrow``: parameters as views into a weight slot, gradients written straight into a grad slot
+(over one rank, into ``master.grad``)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,8 @@ Gathering a few kilobytes per layer would make every layer pay a latency-bound c
 * gathered once per forward, at the forward's start, and resident for that forward and its backward;
 * its views are plain ``Narrow`` views from a leaf token (no gate: nothing waits for it mid-pass);
 * its gradients accumulate in its own grad slot over the whole backward and are reduced once, at the
-  end of the backward (the autograd engine's final callback), SUM then post-divide like every unit.
+  end of the backward (the autograd engine's final callback), SUM then post-divide like every unit
+  (over one rank they accumulate in its ``master.grad`` and nothing is reduced).
 """
 
 from __future__ import annotations

@@ -852,6 +852,8 @@ class Runtime:
 
     def on_unit_grads_complete(self, unit: Unit) -> None:
         """All gradients of ``unit`` are in its grad slot: zero the rest and reduce-scatter (R3).
+        Over one rank (:func:`direct_grads`) they are in ``master.grad`` already: only the ranges a
+        dropped ``master.grad`` still holds stale values in are zeroed.
         A unit frozen in its forward has none: its backward (gradients for its inputs) is over, so
         only its weights are released."""
         self.begin_backward()
@@ -916,8 +918,8 @@ class Runtime:
                     self.comm.all_reduce(value, unit.name, replicas)
                 if self._discard_reductions:  # a failed backward's, waited for by the next forward
                     return
-                if master.grad is None:  # turned off (requires_grad=False) since its forward: as torch,
-                    return               # which accumulates no gradient into such a parameter
+                if master.grad is None or not master.requires_grad:  # turned off since its forward: as
+                    return               # torch, which accumulates no gradient into such a parameter
                 if not unit.grad_unwritten:
                     master.grad.add_(value, alpha=scale)
                 elif value.dtype == torch.float32:  # = 0 + scale * value, as add_ would give
@@ -942,7 +944,7 @@ class Runtime:
             if self.norm_group is not None:
                 self.norm_group.end_backward()
             self._drain()
-            self.streams.current_waits_for_comm()  # (backward() may run on another stream than the forward)
+            self.streams.current_waits_for_backward()  # (backward() may run on another stream than the forward)
             unwritten = [u for u in self.units if u.grad_unwritten]  # no reduction wrote them (no_sync)
             if unwritten:
                 torch._foreach_zero_([u.grad_storage for u in unwritten])
@@ -960,8 +962,9 @@ class Runtime:
     def _recover_from_failed_backward(self) -> None:
         """Run by the next forward when a backward raised (autograd then drops its final callback,
         :meth:`_end_backward`): its reductions in flight are waited for and thrown away, every
-        gradient is zeroed (where ``.grad`` is still attached: a ``zero_grad(set_to_none=True)`` since
-        stays; under ``no_sync()`` what the unit buffers accumulated is dropped too), and the runtime
+        gradient is zeroed (every ``.grad`` still set, which over one rank the failed backward has
+        partly written already: a ``zero_grad(set_to_none=True)`` since stays; under ``no_sync()``
+        what the unit buffers accumulated is dropped too), and the runtime
         is reset, so the next backward starts clean and the same on every device: the step the
         failed micro-batch belonged to is lost, as after ``zero_grad()`` (the "skip the batch that ran
         out of memory" pattern). Until then the step, ``clip_grad_norm_`` and ``full_grads`` refuse
@@ -974,8 +977,8 @@ class Runtime:
             self._drain()
         finally:
             self._discard_reductions = False
-            attached = [u.grad_storage for u in self.units
-                        if u.grad_storage is not None and u.master.grad is u.grad_storage]
+            attached = [u.master.grad for u in self.units if u.master.grad is not None]  # (a .grad the
+            # user assigned too: the failed backward may have added to it, as it may to grad_storage)
             if attached:
                 torch._foreach_zero_(attached)
             for u in self.units:
@@ -1052,7 +1055,10 @@ class Runtime:
         self._hook_planned = True
 
     def check_no_sync(self) -> None:
-        """Refuse ``no_sync()`` where unreduced gradients cannot be held exactly."""
+        """Refuse ``no_sync()`` where unreduced gradients cannot be held exactly. Over one rank
+        (:func:`direct_grads`) they accumulate in ``master.grad`` itself: nothing to refuse."""
+        if self.direct_grads:
+            return
         if self.config.reshard_after_forward:
             raise RuntimeError(
                 "model.no_sync() needs ShardConfig(reshard_after_forward=False): by default the decoder layers take "

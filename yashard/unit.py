@@ -126,7 +126,8 @@ class Unit:
         self.written = [False] * len(layout.entries)
         self.reduced_in_pass = False
         # no_sync(): the grad slot holds this unit's gradients of earlier backwards, not yet reduced
-        # (only with reshard_after_forward=False, where the slot is the unit's alone).
+        # (only with reshard_after_forward=False, where the slot is the unit's alone; over one rank
+        # they are in master.grad, and the flag only makes the step refuse as on more ranks).
         self.unreduced = False
         self.unreduced_version = -1  # grad_storage._version then: a zero_grad since drops them
         # When the module views come off again: None (the slot is this unit's alone, so they stay
@@ -138,7 +139,8 @@ class Unit:
         self.keep_backward_views = False
         self.backward_views: list[torch.Tensor] | None = None
         # master.grad was attached after a zero_grad(set_to_none=True) and holds nothing yet: the
-        # first reduction of the backward writes it instead of adding to it.
+        # first reduction of the backward writes it instead of adding to it (over one rank, each
+        # entry's first Narrow write, and zero_unwritten the rest).
         self.grad_unwritten = False
 
     def __repr__(self) -> str:
@@ -217,7 +219,8 @@ class Unit:
 
     # ---- backward ----------------------------------------------------------------------------
     def write_grad(self, index: int, grad: torch.Tensor) -> None:
-        """Called by ``Narrow.backward``: put one parameter's gradient into the grad slot."""
+        """Called by ``Narrow.backward``: put one parameter's gradient into the grad slot (over one
+        rank, :func:`~yashard.runtime.direct_grads`: add it to ``master.grad``)."""
         rt = self.rt
         rt.begin_backward()
         if not self.grad_claimed:
@@ -230,8 +233,8 @@ class Unit:
             )
         if rt.direct_grads:  # one rank: the gradient goes straight into master.grad, summed as torch would
             target = self.master.grad
-            if target is None:  # turned off (requires_grad=False) since its forward: as torch, none accumulates
-                return
+            if target is None or not self.master.requires_grad:  # turned off since its forward: as
+                return                                          # torch, nothing accumulates into it
             dst = (self.grad_views() if target is self.grad_storage else self._entry_views(target))[index]
             if self.written[index] or not self.grad_unwritten:
                 dst.add_(grad)

@@ -363,8 +363,9 @@ class ShardedModel(nn.Module):
 
         Needs ``ShardConfig(reshard_after_forward=False)`` (the buffers are per unit) and an fp32
         ``reduce_dtype``, except over one rank with no comm hook, where the gradients accumulate in
-        ``master.grad`` in place, as in plain PyTorch (``Runtime.direct_grads``). The optimizer step, ``clip_grad_norm_`` and ``full_grads`` refuse
-        gradients that were accumulated but not yet reduced; ``zero_grad`` drops them."""
+        ``master.grad`` in place, as in plain PyTorch (``Runtime.direct_grads``). The optimizer
+        step, ``clip_grad_norm_`` and ``full_grads`` refuse gradients that were accumulated but not
+        yet reduced; ``zero_grad`` drops them."""
         rt = self._runtime
         rt.check_no_sync()
         previous = rt.require_grad_sync

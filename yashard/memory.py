@@ -64,9 +64,7 @@ def plan_memory(rt: "Runtime") -> MemoryPlan:
     p, g = _nbytes(cfg.param_dtype), _nbytes(cfg.wire_dtype)
     rows = []
     frozen_slots = any(slot.grad_numel != slot.numel for slot in rt.slots.values())
-    for slot in rt.slots.values():
-        if rt.direct_grads:  # one rank: views read the shards, gradients go into the grad shards
-            break
+    for slot in [] if rt.direct_grads else rt.slots.values():  # (one rank: no slot holds anything)
         s, gs = slot.numel, slot.grad_numel
         if gs != s:  # units whose parameters are all frozen use it: grads sized by the others (G)
             weights = "weights: the unit's own shard" if slot.direct else f"S*{p} weights"

@@ -235,7 +235,7 @@ class Unit:
             target = self.master.grad
             if target is None or not self.master.requires_grad:  # turned off since its forward: as
                 return                                          # torch, nothing accumulates into it
-            dst = (self.grad_views() if target is self.grad_storage else self._entry_views(target))[index]
+            dst = self.grad_views()[index] if target is self.grad_storage else self._entry_view(target, index)
             if self.written[index] or not self.grad_unwritten:
                 dst.add_(grad)
             else:  # the first write into a gradient that zero_grad(set_to_none=True) dropped
@@ -264,7 +264,12 @@ class Unit:
         return self._grad_views
 
     def _entry_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        return [flat.narrow(0, e.offset, e.numel).view(e.shape) for e in self.layout.entries]
+        return [self._entry_view(flat, i) for i in range(len(self.layout.entries))]
+
+    def _entry_view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
+        """Entry ``index``'s range of a flat unit-sized tensor, in the parameter's shape."""
+        e = self.layout.entries[index]
+        return flat.narrow(0, e.offset, e.numel).view(e.shape)
 
     def zero_unwritten(self) -> None:
         """Zero every grad-slot range of this unit that this pass did not write.

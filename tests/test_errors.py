@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 import yashard
+
 from models import build, tiny_config
 
 
@@ -731,7 +732,8 @@ def test_dtype_and_device_conversions_are_refused(pg):
 def test_weights_read_outside_the_forward_raise_instead_of_showing_another_layer(pg, checkpoint_layers):
     """Decoder layers take turns in two buffers: after the forward, layer 0's module attributes would
     view the buffer that now holds layer 2. They are taken off once nothing reads them (after the
-    forward, or after the backward for activation-checkpointed layers), and reading one says why."""
+    forward, or after the backward for activation-checkpointed layers); what is read then is a stub
+    with the parameter's metadata, and anything that needs its values says why it cannot have them."""
     sm = yashard.shard(build(num_hidden_layers=4), config=yashard.ShardConfig(checkpoint_layers=checkpoint_layers))
     ref = build(num_hidden_layers=4)
     q0 = sm.module.model.layers[0].self_attn.q_proj
@@ -740,19 +742,42 @@ def test_weights_read_outside_the_forward_raise_instead_of_showing_another_layer
     # views back for the recompute: its BackwardEntry node keeps them, so they live with the graph)
     assert "weight" not in q0.__dict__
     loss.backward()
-    with pytest.raises(AttributeError, match=r"model\.layers\.0\.self_attn\.q_proj\.weight is sharded by yashard: .*"
-                                             r"model\.full_state_dict\(\)"):
-        q0.weight
+    w = q0.weight
+    assert isinstance(w, yashard.ShardedStub) and w.shape == (32, 32) and w.dtype == torch.float32
+    assert w.device == torch.device("cpu") and w.requires_grad and w.detach().shape == (32, 32)
+    for use in (lambda: w + 1, lambda: torch.equal(w, ref.model.layers[0].self_attn.q_proj.weight), w.tolist,
+                w.data_ptr, w.untyped_storage, lambda: w.float().sum(), lambda: w.data.clone(),
+                lambda: torch.nn.functional.linear(torch.ones(2, 32), w)):
+        with pytest.raises(RuntimeError, match=r"^model\.layers\.0\.self_attn\.q_proj\.weight is sharded by "
+                                               r"yashard.*: .*model\.full_state_dict\(\)"):
+            use()
     with torch.no_grad():
         _loss(sm)
-    with pytest.raises(AttributeError, match=r"is sharded by yashard"):
-        sm.module.lm_head.weight
+    with pytest.raises(RuntimeError, match=r"^lm_head\.weight is sharded by yashard \(aten\.sum\.default needs its values\)"):
+        sm.module.lm_head.weight.sum()
     assert isinstance(q0, nn.Linear) and type(q0).__name__ == "Linear" and q0.in_features == 32
     # the norm weights sit in a buffer of their own: they stay readable, with the right values
     norm = sm.module.model.layers[3].input_layernorm.weight
     assert torch.equal(norm, ref.model.layers[3].input_layernorm.weight)
     with pytest.raises(AttributeError, match=r"no attribute 'nonexistent'"):
         q0.nonexistent  # other missing attributes keep torch's message
+
+
+def test_a_sharded_weight_read_outside_its_unit_gives_what_the_unit_computes_in(pg):
+    """The stub's dtype and device are those the gathered weights will have (``param_dtype``, not
+    the masters' fp32), so ``x.to(lm_head.weight.dtype)`` in an HF forward casts to what the head
+    computes in; ``requires_grad`` follows the shard (frozen at ``shard()``, or turned off after)."""
+    model = build(num_hidden_layers=2)
+    model.model.layers[1].self_attn.k_proj.weight.requires_grad_(False)
+    sm = yashard.shard(model, config=yashard.ShardConfig(param_dtype=torch.bfloat16))
+    head, k1 = sm.module.lm_head, sm.module.model.layers[1].self_attn.k_proj
+    assert head.weight.dtype == torch.bfloat16 and head.weight.shape == (96, 32) and head.weight.requires_grad
+    assert not k1.weight.requires_grad and sm.module.model.layers[1].self_attn.q_proj.weight.requires_grad
+    sm.requires_grad_(False)
+    assert not head.weight.requires_grad
+    sm.requires_grad_(True)
+    assert head.weight.requires_grad
+    assert "ShardedStub(lm_head.weight, shape=(96, 32), dtype=torch.bfloat16" in repr(head.weight)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

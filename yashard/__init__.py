@@ -9,8 +9,9 @@ from .guards import CollectiveOrderError, NonFiniteError
 from .hf_export import export_hf
 from .memory import MemoryPlan
 from .runtime import OrderError
+from .stub import ShardedStub
 
 __all__ = ["shard", "from_pretrained", "ShardConfig", "ShardedModel", "MemoryPlan", "OrderError",
            "save_checkpoint", "load_checkpoint", "export_hf", "CheckpointError", "CollectiveError",
-           "CollectiveOrderError", "NonFiniteError", "ShardedGradScaler"]
+           "CollectiveOrderError", "NonFiniteError", "ShardedGradScaler", "ShardedStub"]
 __version__ = "0.1.0"

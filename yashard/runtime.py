@@ -34,6 +34,7 @@ from .layout import build_layout, slot_assignment
 from .memory import MemoryPlan, plan_memory
 from .norm_group import NormGroup, is_small_param
 from .patch.spec import ModelSpec, get_path
+from .stub import ShardedStub, sharded_message
 from .unit import MasterShard, Unit, own_version_alias, same_named_subclass, storage_key
 from .zeropp import qwz_all_gather, qwz_workspace_nbytes
 
@@ -282,11 +283,11 @@ class Runtime:
             if cfg.secondary_group_size is not None and kind == "layer":  # hpZ: this rank's secondary slice
                 unit.secondary = torch.empty(layout.padded // cfg.secondary_group_size, dtype=cfg.param_dtype,
                                              device=self.device)
-            for p, locs, fqns in members:      # the HF modules no longer own these parameters
+            for entry, (p, locs, fqns) in enumerate(members):  # the HF modules no longer own these parameters
                 removed[p] = fqns[0]
                 for (module, attr), fqn in zip(locs, fqns):
                     module._parameters.pop(attr, None)
-                    _mark_sharded(module, attr, fqn, p.shape)
+                    _mark_sharded(module, attr, fqn, p.shape, unit, entry)
             self.units.append(unit)
             if kind == "layer":
                 self.layers.append(unit)
@@ -1417,39 +1418,29 @@ def _module_requires_grad(runtime_ref, self, requires_grad: bool = True):
     return nn.Module.requires_grad_(self, requires_grad)
 
 
-def _mark_sharded(module: nn.Module, attr: str, fqn: str, shape: torch.Size) -> None:
+def _mark_sharded(module: nn.Module, attr: str, fqn: str, shape: torch.Size, unit: Unit, entry: int) -> None:
     """Give ``module`` (an HF submodule that lost parameter ``attr`` to a shard) a same-named
-    subclass of its class whose missing-attribute error says where the parameter went, and whose
-    ``extra_repr`` (``print(model)``: ``RMSNorm`` and ``Linear`` read their weight's shape or test
-    their bias there) sees shape-only meta tensors in the parameters' place."""
+    subclass of its class whose attribute ``attr``, while no view of the running unit is installed,
+    is a :class:`~yashard.stub.ShardedStub`: the parameter's shape, the dtype and device its unit
+    computes in, whether it trains, and no values (``print(model)`` reads shapes; HF forwards read
+    an embedding's device or the head's dtype from outside its unit)."""
     cls = type(module)
     if cls not in _MARKED_CLASSES.values():
         def __getattr__(self, name):
             try:
                 return cls.__getattr__(self, name)
             except AttributeError:
-                fqn, _ = self.__dict__.get("_yashard_sharded", {}).get(name, (None, None))
+                fqn, shape, unit_ref, entry = self.__dict__.get("_yashard_sharded", {}).get(name, (None,) * 4)
                 if fqn is None:
                     raise
-                raise AttributeError(
-                    f"{fqn} is sharded by yashard: its values live in flat per-rank shards and are gathered into "
-                    "a shared buffer only while its layer runs. Read full tensors with model.full_state_dict() "
-                    "(a collective: every rank calls it) or write them with yashard.export_hf"
-                ) from None
+                u = unit_ref()
+                if u is None:  # (its runtime is gone)
+                    raise AttributeError(sharded_message(fqn)) from None
+                return ShardedStub(fqn, shape, u.rt.config.param_dtype, u.rt.device,
+                                   u.trainable[entry] and u.master.requires_grad)
 
-        def extra_repr(self):
-            stand_ins = {a: torch.empty(shape, device="meta") for a, (_, shape) in self.__dict__["_yashard_sharded"].items()
-                         if a not in self.__dict__}  # (not over views the runtime set for a running layer)
-            self.__dict__.update(stand_ins)  # (instance attributes are found before __getattr__ is asked)
-            try:
-                return cls.extra_repr(self)
-            finally:
-                for a in stand_ins:
-                    del self.__dict__[a]
-
-        module.__class__ = same_named_subclass(cls, _MARKED_CLASSES,
-                                               {"__getattr__": __getattr__, "extra_repr": extra_repr})
-    module.__dict__.setdefault("_yashard_sharded", {})[attr] = (fqn, torch.Size(shape))
+        module.__class__ = same_named_subclass(cls, _MARKED_CLASSES, {"__getattr__": __getattr__})
+    module.__dict__.setdefault("_yashard_sharded", {})[attr] = (fqn, torch.Size(shape), unit.ref, entry)
 
 
 def _nonfinite(t: torch.Tensor) -> torch.Tensor:

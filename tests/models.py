@@ -5,21 +5,52 @@ from __future__ import annotations
 import torch
 
 
+# Other HF decoder families "of the same shape" (model.layers / model.embed_tokens / lm_head): each
+# with the fields its tiny config needs beyond the shared ones. Mixture-of-experts families get 4
+# experts, 2 per token; families whose defaults train with dropout get none (the sharded run and the
+# reference draw different masks).
+MOE = dict(num_experts=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+OTHER_FAMILIES = {
+    "phi3": {}, "phi": dict(head_dim=None, num_key_value_heads=None), "gemma2": {}, "gemma3_text": {},
+    "vaultgemma": {}, "olmo": {}, "olmo2": {}, "olmo3": {}, "flex_olmo": MOE, "granite": {}, "granitemoe": MOE,
+    "smollm3": {}, "cohere": {}, "stablelm": {}, "glm": {}, "glm4": {}, "helium": {}, "starcoder2": {},
+    "qwen3_moe": MOE, "mixtral": MOE, "jetmoe": MOE, "minimax": MOE, "gpt_oss": MOE, "llama4_text": dict(MOE, intermediate_size_mlp=64),
+    "qwen3_next": MOE, "exaone4": {}, "seed_oss": dict(attention_dropout=0.0, residual_dropout=0.0),
+    "arcee": {}, "apertus": {}, "ministral": {}, "hunyuan_v1_dense": {}, "ernie4_5": {}, "falcon_h1": {},
+    "lfm2": dict(block_multiple_of=16), "bitnet": {}, "doge": dict(num_experts=16), "nemotron": {},
+    "zaya": dict(MOE, num_experts_per_tok=1, router_hidden_size=32),
+}
+OTHER_FAMILIES["qwen3_next"] = dict(MOE, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+                                    linear_num_value_heads=4, shared_expert_intermediate_size=32)
+OTHER_FAMILIES["falcon_h1"] = dict(mamba_d_ssm=64, mamba_n_heads=8, mamba_d_head=8, mamba_d_state=16,
+                                   mamba_chunk_size=16)
+
+
+def known_families(families) -> list[str]:
+    """The ``families`` this transformers release has a config class for (4.x lacks the newer ones)."""
+    from transformers import CONFIG_MAPPING
+
+    return [f for f in families if f in CONFIG_MAPPING]
+
+
 def tiny_config(family: str = "llama", **overrides):
-    from transformers import GemmaConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import AutoConfig, GemmaConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     base = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                 tie_word_embeddings=False, attn_implementation="eager")
-    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
-           "gemma": GemmaConfig}[family]
-    if family in ("qwen3", "gemma"):
+    named = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
+             "gemma": GemmaConfig}
+    if family in ("qwen3", "gemma") or family in OTHER_FAMILIES:
         base["head_dim"] = 8
     if family == "gemma":  # Gemma ties its embeddings and scales them by sqrt(hidden_size)
         base["tie_word_embeddings"] = True
+    if family in OTHER_FAMILIES:  # (special tokens inside the tiny vocabulary)
+        base.update(pad_token_id=0, bos_token_id=1, eos_token_id=2, **OTHER_FAMILIES[family])
     base.update(overrides)
     attn = base.pop("attn_implementation")
-    cfg = cls(**base)
+    base = {k: v for k, v in base.items() if v is not None}
+    cfg = named[family](**base) if family in named else AutoConfig.for_model(family, **base)
     cfg._attn_implementation = attn
     return cfg
 

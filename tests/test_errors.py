@@ -1197,3 +1197,17 @@ def test_backward_with_create_graph_is_refused_and_the_next_step_is_clean(pg):
     _loss(ref).backward()
     ref_opt.step()
     torch.testing.assert_close(_loss(sm), _loss(ref), rtol=1e-5, atol=1e-6)
+
+
+def test_step_check_flags_pack_into_words_and_back():
+    """The per-parameter "got a gradient" flags travel in the step checks' all-gather as bits of int64
+    words (62 per word): every pattern, across word boundaries, comes back as it went."""
+    from yashard.guards import _pack_bits, _unpack_bits
+
+    g = torch.Generator().manual_seed(0)
+    for count in (0, 1, 61, 62, 63, 124, 200):
+        rows = [torch.rand(count, generator=g) < 0.5 for _ in range(3)]
+        rows[0][:] = True
+        words = torch.stack([_pack_bits(r.tolist()) for r in rows])
+        assert words.shape == (3, -(-count // 62)) and (words >= 0).all()
+        assert torch.equal(_unpack_bits(words, count), torch.stack(rows))

@@ -252,3 +252,29 @@ def run_compiled_optimizer_step(rank: int, world: int, compiled: bool) -> dict:
         step()
         opt.zero_grad(set_to_none=True)
     return dict(losses=losses, params=sm.full_state_dict(), traced=sorted(traced["yashard_code"]))
+
+
+def run_no_gradient_warning(rank: int, world: int, unused_on: str) -> list[str]:
+    """Three AdamW steps with layer 1's ``up_proj`` left out of the MLP on every rank
+    (``unused_on="every"``), on rank 0 only (``"one"``: the rank that logs) or nowhere (``"none"``); rank 0's
+    warnings that name a parameter without a gradient."""
+    import logging
+
+    model = build("llama", seed=0)
+    if unused_on == "every" or (unused_on == "one" and rank == 0):
+        _make_unused(model, 1)
+    sm = yashard.shard(model)
+    opt = torch.optim.AdamW(sm.param_groups(0.1), lr=1e-3)
+    records = []
+    handler = logging.Handler(level=logging.WARNING)
+    handler.emit = records.append
+    logging.getLogger("yashard").addHandler(handler)
+    try:
+        for batch in batches(3, 2 * world, 16, model.config.vocab_size):
+            micro = batch.chunk(world)[rank]
+            sm(input_ids=micro, labels=micro).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        logging.getLogger("yashard").removeHandler(handler)
+    return [r.getMessage() for r in records if "got no gradient" in r.getMessage()]

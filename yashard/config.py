@@ -64,7 +64,9 @@ class ShardConfig:
             (:class:`yashard.NonFiniteError` naming the layer whose forward output, else whose
             gradients, first went non-finite, and the ranks), ``"skip"`` (a warning, and the
             optimizer skips the step: every master gradient is set to None), or ``"ignore"``. The
-            check costs one small all-gather per step, which the host waits for (on CUDA the host
+            same all-gather names, once, every trainable parameter no rank's backward gave a
+            gradient since the last step (the optimizer steps it with a zero gradient: weight decay
+            and momentum move it, where torch would skip it). The check costs one small all-gather per step, which the host waits for (on CUDA the host
             then stops queuing kernels ahead of the GPU once per step; ``"ignore"`` with
             ``debug_collectives=False`` removes the wait). While a :class:`yashard.ShardedGradScaler`
             of the model exists, it handles non-finite gradients instead (fp16 loss scaling).

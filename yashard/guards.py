@@ -1,4 +1,5 @@
-"""Checks that run before every optimizer step: stale parameters, non-finite values, collective order.
+"""Checks that run before every optimizer step: stale parameters, non-finite values, parameters
+without a gradient, collective order.
 
 One global ``torch.optim`` step pre-hook (installed by the first :func:`yashard.shard`) looks at the
 parameters of the optimizer being stepped:
@@ -6,8 +7,10 @@ parameters of the optimizer being stepped:
 * a parameter that ``yashard.shard`` removed from the model (the optimizer was built before
   ``shard``) raises: stepping it would silently train nothing;
 * gradients that a ``no_sync()`` backward accumulated but no backward reduced yet raise;
-* for every yashard runtime whose master shards the optimizer holds, :func:`step_checks` runs: non-finite gradients or forward outputs (``ShardConfig.on_nonfinite``) and, with
-  ``ShardConfig.debug_collectives``, the comparison of every rank's collective sequence.
+* for every yashard runtime whose master shards the optimizer holds, :func:`step_checks` runs:
+  non-finite gradients or forward outputs (``ShardConfig.on_nonfinite``), trainable parameters that
+  no rank gave a gradient (a warning) and, with ``ShardConfig.debug_collectives``, the comparison
+  of every rank's collective sequence.
 
 A global step post-hook lets each such runtime start the next forward's first gathers right after
 the step (:meth:`Runtime.after_optimizer_step`).
@@ -349,8 +352,9 @@ def _after_step(optimizer, args, kwargs):
 @torch.no_grad()
 def step_checks(rt) -> None:
     """Run by the optimizer step pre-hook for runtime ``rt``: non-finite values
-    (``on_nonfinite``) and the collective-order comparison (``debug_collectives``), with one
-    small all-gather over the data-parallel group."""
+    (``on_nonfinite``), the collective-order comparison (``debug_collectives``) and the trainable
+    parameters no rank gave a gradient since the last step (a warning), with one small all-gather
+    over the data-parallel group."""
     cfg, comm = rt.config, rt.comm
     if cfg.on_nonfinite == "ignore" and not cfg.debug_collectives:
         return
@@ -363,14 +367,17 @@ def step_checks(rt) -> None:
     check = cfg.on_nonfinite != "ignore" and not scaled
     bad_fwd = ~torch.isfinite(rt.fwd_sums)
     bad_grads = ~rt.grads_finite() if check else torch.zeros_like(bad_fwd)
+    trainable = _trainable_entries(rt)
     local = torch.cat([bad_fwd.long(), bad_grads.long(),
-                       torch.tensor([int(scaled), log.crc, len(log.sequence)], device=rt.device)])
+                       torch.tensor([int(scaled), log.crc, len(log.sequence)], device=rt.device),
+                       _pack_bits([u.got_grad[i] for u, i, _ in trainable]).to(rt.device)])
     every = comm.all_gather_tensor(local, "step checks (before the optimizer step)").cpu()
     rt.fwd_sums.zero_()
     if cfg.debug_collectives:
-        if not (every[:, 2 * n + 1:] == every[0, 2 * n + 1:]).all():
+        if not (every[:, 2 * n + 1: 2 * n + 3] == every[0, 2 * n + 1: 2 * n + 3]).all():
             _raise_divergence(rt)
         log.reset_sequence()
+    _warn_no_gradient(rt, trainable, _unpack_bits(every[:, 2 * n + 3:], len(trainable)).any(dim=0))
     if cfg.on_nonfinite == "ignore" or every[:, 2 * n].any() or not every[:, : 2 * n].any():
         return
     message = _nonfinite_message(rt, every[:, :n].bool(), every[:, n: 2 * n].bool())
@@ -383,6 +390,52 @@ def step_checks(rt) -> None:
         u.master.grad = None
     if comm.rank == 0:
         logger.warning("%s; skipping this optimizer step (%d skipped so far)", message, rt.skipped_steps)
+
+
+_BITS = 62  # flags per int64 of the all-gathered vector (the sign bit left alone)
+
+
+def _pack_bits(flags: list[bool]) -> torch.Tensor:
+    """``flags`` as int64 words, ``_BITS`` per word, the first flag in the lowest bit."""
+    t = torch.tensor(flags, dtype=torch.int64)
+    t = torch.nn.functional.pad(t, (0, -len(flags) % _BITS)).view(-1, _BITS)
+    return (t << torch.arange(_BITS)).sum(dim=1)
+
+
+def _unpack_bits(words: torch.Tensor, count: int) -> torch.Tensor:
+    """Inverse of :func:`_pack_bits` for each row of ``words``: a bool tensor of ``count`` columns."""
+    bits = (words.unsqueeze(-1) >> torch.arange(_BITS)) & 1
+    return bits.flatten(-2)[..., :count].bool()
+
+
+def _trainable_entries(rt) -> list:
+    """``(unit, entry index, HF name)`` of every parameter that trains (fixed at ``shard()``)."""
+    if rt.trainable_entries is None:
+        rt.trainable_entries = [(u, i, fqns[0]) for u in rt.units if u.grad_storage is not None
+                                for i, (ok, fqns) in enumerate(zip(u.trainable, u.fqns)) if ok]
+    return rt.trainable_entries
+
+
+def _warn_no_gradient(rt, trainable: list, got: torch.Tensor) -> None:
+    """Log (rank 0, once per parameter) the trainable parameters that no rank's backward gave a
+    gradient since the last step while their shard's ``.grad`` is set: the optimizer steps their
+    range of the flat shard with a zero gradient, where torch would skip a parameter without one."""
+    if bool(got.all()):
+        return
+    missing = [name for (u, _, name), ok in zip(trainable, got.tolist())
+               if not ok and u.master.grad is not None and name not in rt.warned_no_grad]
+    if not missing:
+        return
+    rt.warned_no_grad.update(missing)
+    if rt.comm.rank == 0:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        logger.warning(
+            "yashard: %d trainable parameter%s got no gradient on any rank since the last optimizer step: %s. "
+            "They live in flat shards with parameters that did, so the optimizer steps them with a zero gradient: "
+            "weight decay and the momentum of earlier steps move them, where plain PyTorch (and FSDP2) would skip "
+            "a parameter whose .grad is None (FSDP1 and DeepSpeed ZeRO-3 step them as yashard does). Freeze them "
+            "before yashard.shard if they should not train, or find why the loss does not reach them (logged once "
+            "per parameter)", len(missing), "s" if len(missing) > 1 else "", shown)
 
 
 def _nonfinite_message(rt, fwd: torch.Tensor, grad: torch.Tensor) -> str:

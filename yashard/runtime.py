@@ -323,6 +323,8 @@ class Runtime:
                                     dtype=torch.float64 if self.device.type in ("cpu", "cuda") else torch.float32)
         self._fwd_sums = list(self.fwd_sums.unbind())  # (one persistent 0-d view per unit)
         self._clip_finite = None  # (per-unit 'gradient is finite' flags, the grads' versions) of the last clip
+        self.trainable_entries = None  # (the step's checks: see guards._trainable_entries)
+        self.warned_no_grad: set[str] = set()  # parameters named in the step's "got no gradient" warning
         self.skipped_steps = 0
         self._structure = None  # (module, its parameters, its children) at the last full check_no_new_parameters
         self.grad_scalers = weakref.WeakSet()  # enabled ShardedGradScalers: they own non-finite gradients
@@ -621,6 +623,8 @@ class Runtime:
             u.restore_frozen()
             if u.grad_storage is not None:  # (a shard of frozen parameters never has a gradient to step)
                 torch.autograd.graph.increment_version(u.master)
+            if any(u.got_grad):
+                u.got_grad = [False] * len(u.got_grad)
         if self.in_backward or not self.forward_order:
             return
         self._drain()

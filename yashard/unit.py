@@ -124,6 +124,9 @@ class Unit:
         self.next_forward: Unit | None = None
         self.grad_claimed = False
         self.written = [False] * len(layout.entries)
+        # Per entry: did this rank's backwards give it a gradient since the last optimizer step
+        # (the step's checks tell a parameter no rank's loss reached: see guards.step_checks).
+        self.got_grad = [False] * len(layout.entries)
         self.reduced_in_pass = False
         # no_sync(): the grad slot holds this unit's gradients of earlier backwards, not yet reduced
         # (only with reshard_after_forward=False, where the slot is the unit's alone; over one rank
@@ -231,6 +234,7 @@ class Unit:
                 "gradient buffer as data, so a graph of the gradients (higher-order gradients, gradient "
                 "penalties) cannot be built through a sharded model. Call backward() without create_graph"
             )
+        self.got_grad[index] = True
         if rt.direct_grads:  # one rank: the gradient goes straight into master.grad, summed as torch would
             target = self.master.grad
             if target is None or not self.master.requires_grad:  # turned off since its forward: as

@@ -254,9 +254,10 @@ def run_compiled_optimizer_step(rank: int, world: int, compiled: bool) -> dict:
     return dict(losses=losses, params=sm.full_state_dict(), traced=sorted(traced["yashard_code"]))
 
 
-def run_no_gradient_warning(rank: int, world: int, unused_on: str) -> list[str]:
+def run_no_gradient_warning(rank: int, world: int, unused_on: str, optimizers: int = 1) -> list[str]:
     """Three AdamW steps with layer 1's ``up_proj`` left out of the MLP on every rank
-    (``unused_on="every"``), on rank 0 only (``"one"``: the rank that logs) or nowhere (``"none"``); rank 0's
+    (``unused_on="every"``), on rank 0 only (``"one"``: the rank that logs) or nowhere (``"none"``),
+    by one optimizer or by two (one per param group, stepped one after the other); rank 0's
     warnings that name a parameter without a gradient."""
     import logging
 
@@ -264,7 +265,8 @@ def run_no_gradient_warning(rank: int, world: int, unused_on: str) -> list[str]:
     if unused_on == "every" or (unused_on == "one" and rank == 0):
         _make_unused(model, 1)
     sm = yashard.shard(model)
-    opt = torch.optim.AdamW(sm.param_groups(0.1), lr=1e-3)
+    groups = sm.param_groups(0.1)
+    opts = [torch.optim.AdamW(groups, lr=1e-3)] if optimizers == 1 else [torch.optim.AdamW([g], lr=1e-3) for g in groups]
     records = []
     handler = logging.Handler(level=logging.WARNING)
     handler.emit = records.append
@@ -273,8 +275,10 @@ def run_no_gradient_warning(rank: int, world: int, unused_on: str) -> list[str]:
         for batch in batches(3, 2 * world, 16, model.config.vocab_size):
             micro = batch.chunk(world)[rank]
             sm(input_ids=micro, labels=micro).loss.backward()
-            opt.step()
-            opt.zero_grad()
+            for opt in opts:
+                opt.step()
+            for opt in opts:
+                opt.zero_grad()
     finally:
         logging.getLogger("yashard").removeHandler(handler)
     return [r.getMessage() for r in records if "got no gradient" in r.getMessage()]

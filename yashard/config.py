@@ -66,9 +66,10 @@ class ShardConfig:
             optimizer skips the step: every master gradient is set to None), or ``"ignore"``. The
             same all-gather names, once, every trainable parameter no rank's backward gave a
             gradient since the last step (the optimizer steps it with a zero gradient: weight decay
-            and momentum move it, where torch would skip it). The check costs one small all-gather per step, which the host waits for (on CUDA the host
-            then stops queuing kernels ahead of the GPU once per step; ``"ignore"`` with
-            ``debug_collectives=False`` removes the wait). While a :class:`yashard.ShardedGradScaler`
+            and momentum move it, where torch would skip it). The check costs one small all-gather
+            per step, which the host waits for (on CUDA the host then stops queuing kernels ahead of
+            the GPU once per step; ``"ignore"`` with ``debug_collectives=False`` removes the wait
+            and these checks). While a :class:`yashard.ShardedGradScaler`
             of the model exists, it handles non-finite gradients instead (fp16 loss scaling).
         debug_collectives: before every optimizer step, compare every rank's sequence of
             collectives (op, layer, size) since the last step, by hash, and raise

@@ -325,6 +325,7 @@ class Runtime:
         self._clip_finite = None  # (per-unit 'gradient is finite' flags, the grads' versions) of the last clip
         self.trainable_entries = None  # (the step's checks: see guards._trainable_entries)
         self.warned_no_grad: set[str] = set()  # parameters named in the step's "got no gradient" warning
+        self.stepped_since_backward = False  # an optimizer step ran since the last backward began
         self.skipped_steps = 0
         self._structure = None  # (module, its parameters, its children) at the last full check_no_new_parameters
         self.grad_scalers = weakref.WeakSet()  # enabled ShardedGradScalers: they own non-finite gradients
@@ -623,8 +624,7 @@ class Runtime:
             u.restore_frozen()
             if u.grad_storage is not None:  # (a shard of frozen parameters never has a gradient to step)
                 torch.autograd.graph.increment_version(u.master)
-            if any(u.got_grad):
-                u.got_grad = [False] * len(u.got_grad)
+        self.stepped_since_backward = True  # (the next backward starts the gradient flags afresh)
         if self.in_backward or not self.forward_order:
             return
         self._drain()
@@ -792,8 +792,12 @@ class Runtime:
         self.in_backward = True
         self._bucket_index = 0
         self._bwd_last_layer = None
+        fresh = self.stepped_since_backward  # (not at the step itself: a second optimizer of this model
+        self.stepped_since_backward = False  # checks the same flags, see guards.step_checks)
         for u in self.units:
             u.reduced_in_pass = False
+            if fresh and any(u.got_grad):
+                u.got_grad = [False] * len(u.got_grad)
             # A gradient zero_grad(set_to_none=True) dropped is attached unwritten: the unit's first
             # reduction writes it (no zero-fill pass), and _end_backward zeroes any that none wrote.
             # (a shard turned off since its forward gets no .grad, as torch leaves such a parameter's)

@@ -13,13 +13,15 @@ garbage value is never handed out.
 from __future__ import annotations
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 
 def sharded_message(fqn: str, needs: str = "") -> str:
-    return (f"{fqn} is sharded by yashard{f' ({needs} needs its values)' if needs else ''}: its values live in flat per-rank shards and are gathered into a "
-            "shared buffer only while its layer runs (outside that, its shape, dtype, device and requires_grad "
-            "can be read). Read full tensors with model.full_state_dict() (a collective: every rank calls it) "
-            "or write them with yashard.export_hf")
+    """Why ``fqn`` has no values here (``needs``: the operation that asked for them) and where they are."""
+    return (f"{fqn} is sharded by yashard{f' ({needs} needs its values)' if needs else ''}: its values live in "
+            "flat per-rank shards and are gathered into a shared buffer only while its layer runs (outside "
+            "that, its shape, dtype, device and requires_grad can be read). Read full tensors with "
+            "model.full_state_dict() (a collective: every rank calls it) or write them with yashard.export_hf")
 
 
 class ShardedStub(torch.Tensor):
@@ -46,7 +48,7 @@ class ShardedStub(torch.Tensor):
         if func is torch.ops.aten.detach.default:  # (.detach(), .data: metadata again, no values)
             t = args[0]
             return ShardedStub(t._fqn, t.shape, t.dtype, t.device, False)
-        stubs = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, ShardedStub)]
+        stubs = [a for a in tree_leaves((args, kwargs)) if isinstance(a, ShardedStub)]  # (torch.cat's list too)
         raise RuntimeError(sharded_message(stubs[0]._fqn if stubs else "a parameter", str(func)))
 
     def _refuse(self, *args, **kwargs):

@@ -79,3 +79,22 @@ def loading_peak(rank, world, family, overrides, folder):
     finally:
         Runtime._materialise = inner
     return dict(seen, full=full_bytes, largest=largest)
+
+
+def folder_as_transformers_reads_it(rank, world, folder, out):
+    """from_pretrained of ``folder``, then export_hf to ``out``: the weights it read, its generation
+    config and what the ``yashard`` logger said while reading."""
+    import logging
+
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("yashard").addHandler(handler)
+    try:
+        sm = yashard.from_pretrained(folder)
+    finally:
+        logging.getLogger("yashard").removeHandler(handler)
+    gen = sm.generation_config
+    yashard.export_hf(sm, out)
+    return dict(params=sm.full_state_dict(), eos=gen.eos_token_id, do_sample=gen.do_sample,
+                temperature=gen.temperature, said=said)

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from harness import run_distributed
-from loading_workers import loading_peak, shard_folder, shard_meta
+from loading_workers import folder_as_transformers_reads_it, loading_peak, shard_folder, shard_meta
 from models import build, tiny_config
 
 CASES = [("llama", {}), ("llama", {"tie_word_embeddings": True}), ("qwen2", {}),
@@ -94,6 +94,42 @@ def test_folder_loading_reads_the_folders_weights(hf_folders):
     # bf16 files: the fp32 masters hold exactly the bf16 values
     res = run_distributed(shard_folder, 2, single, True)[0]
     assert all(torch.equal(res["params"][k], ref[k].bfloat16().float()) for k in ref)
+
+
+def test_a_folder_is_read_as_transformers_reads_it(tmp_path):
+    """A sharded save_pretrained followed by a single-file one into the same folder leaves the old
+    index behind (transformers deletes the old shard files only when their names clash: here they are
+    kept, as a copy of an older checkpoint would be): transformers loads model.safetensors, and so
+    must yashard, not the index's older weights. generation_config.json (several EOS ids, sampling)
+    is the model's, as from_pretrained gives it, and export_hf writes it back."""
+    from transformers import GenerationConfig
+
+    folder = tmp_path / "model"
+    model = build("llama", seed=5)
+    model.save_pretrained(folder, max_shard_size="20KB")
+    old_files = {f: (folder / f).read_bytes() for f in os.listdir(folder) if f.startswith("model-")}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=[2, 7], do_sample=True,
+                                               temperature=0.6, top_p=0.9)
+    model.save_pretrained(folder)
+    for f, data in old_files.items():  # (whether or not save_pretrained removed them: the worst case)
+        (folder / f).write_bytes(data)
+    assert (folder / "model.safetensors").exists() and (folder / "model.safetensors.index.json").exists()
+    ref = AutoModelForCausalLM.from_pretrained(folder)
+    new = {k: v.detach() for k, v in ref.named_parameters(remove_duplicate=False)}
+    assert torch.equal(new["model.norm.weight"], model.model.norm.weight)  # transformers: the single file
+    assert ref.generation_config.eos_token_id == [2, 7]
+    out = tmp_path / "export"
+    results = run_distributed(folder_as_transformers_reads_it, 2, str(folder), str(out))
+    for r, res in enumerate(results):
+        bad = [k for k in new if not torch.equal(res["params"][k], new[k])]
+        assert not bad, (r, bad[:3])
+        assert (res["eos"], res["do_sample"], res["temperature"]) == ([2, 7], True, 0.6)
+    assert any("model.safetensors.index.json" in m and "reading model.safetensors" in m for m in results[0]["said"])
+    exported = GenerationConfig.from_pretrained(out)
+    assert (exported.eos_token_id, exported.do_sample, exported.top_p) == ([2, 7], True, 0.9)
 
 
 def test_loading_peak_memory_is_shards_plus_one_parameter(tmp_path):

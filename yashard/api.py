@@ -488,4 +488,10 @@ def from_pretrained(path: str | os.PathLike, *, config: ShardConfig | None = Non
         model_kwargs["dtype"] = _folder_dtype(hf_config)
     with torch.device("meta"):  # dtype=torch.bfloat16: computes in bf16 (ShardConfig.param_dtype), fp32 masters
         model = AutoModelForCausalLM.from_config(hf_config, **{"dtype": torch.float32, **model_kwargs})
+    if os.path.isfile(os.path.join(os.fspath(path), "generation_config.json")):
+        # as transformers' from_pretrained: generate() stops at every EOS id and samples as the folder says
+        # (from_config gives the defaults), and export_hf writes it back
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(os.fspath(path))
     return shard(model, config=config, process_group=process_group, mesh=mesh, weights=path)

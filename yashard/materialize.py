@@ -83,14 +83,18 @@ class HFFolder:
         index = os.path.join(self.path, "model.safetensors.index.json")
         single = os.path.join(self.path, "model.safetensors")
         self._files: dict[str, SafetensorsFile] = {}
-        if os.path.exists(index):
+        if os.path.exists(single):  # transformers' order: a single file wins over an index beside it
+            if os.path.exists(index):
+                logger.warning("yashard: %s holds both model.safetensors and model.safetensors.index.json; "
+                               "reading model.safetensors, as transformers' from_pretrained does (the index is "
+                               "left over from an earlier sharded save: delete it, or the single file)", self.path)
+            weight_map = {k: "model.safetensors" for k in self._file("model.safetensors").keys()}
+        elif os.path.exists(index):
             with open(index) as f:
                 try:
                     weight_map = json.load(f)["weight_map"]
                 except (ValueError, KeyError, TypeError) as e:
                     raise ValueError(f"{index} is not a safetensors index (no 'weight_map'): {e}") from None
-        elif os.path.exists(single):
-            weight_map = {k: "model.safetensors" for k in self._file("model.safetensors").keys()}
         else:
             found = sorted(os.listdir(self.path))
             pickled = [f for f in found if f.endswith((".bin", ".pt", ".pth", ".pkl"))]

@@ -503,3 +503,33 @@ def load_different_checkpoints(rank, world, root_a: str, root_b: str, how: str) 
     except yashard.checkpoint.CheckpointError as e:
         return str(e)
     return None
+
+
+def persistent_buffers_travel(rank, world, root: str) -> dict:
+    """DeepSeek-V3, whose routers hold a persistent buffer (``e_score_correction_bias``) that an
+    expert-balancing training loop updates: set it after ``shard()``, then export_hf, save_checkpoint
+    and dcp.save; zero it, load_checkpoint; zero it, dcp.load. The logits before, the buffers after each load."""
+    import torch.distributed.checkpoint as dcp
+
+    sm = yashard.shard(build("deepseek_v3", seed=3))
+    biases = {n: b for n, b in sm.module.named_buffers() if n.endswith("e_score_correction_bias")}
+    with torch.no_grad():
+        for i, b in enumerate(biases.values()):
+            b.copy_(torch.linspace(-3, 3, b.numel()) * (i + 1))
+        ids = batches(1, 2, 12, 96, seed=4)[0]
+        logits = sm(input_ids=ids).logits
+    yashard.export_hf(sm, os.path.join(root, "hf"))
+    yashard.save_checkpoint(os.path.join(root, "ckpt"), sm)
+    dcp.save(sm.sharded_state_dict(), checkpoint_id=os.path.join(root, "dcp"))
+    set_to = {n: b.clone() for n, b in biases.items()}
+    after = {}
+    for how in ("load_checkpoint", "dcp.load"):
+        with torch.no_grad():
+            for b in biases.values():
+                b.zero_()
+        if how == "load_checkpoint":
+            yashard.load_checkpoint(os.path.join(root, "ckpt"), sm)
+        else:
+            dcp.load(sm.sharded_state_dict(), checkpoint_id=os.path.join(root, "dcp"))
+        after[how] = {n: b.clone() for n, b in biases.items()}
+    return dict(logits=logits, ids=ids, set_to=set_to, after=after)

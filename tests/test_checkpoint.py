@@ -23,7 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import yashard
-from ckpt_workers import (DCP_MODELS, load_different_checkpoints, load_while_a_save_commits, dcp_optimizer_scalars, optimizer_state_dict_misuse, save_misuse, EXPORT_LIMIT, dcp_async_save, dcp_load, dcp_load_named, dcp_save,
+from ckpt_workers import (DCP_MODELS, persistent_buffers_travel, load_different_checkpoints, load_while_a_save_commits, dcp_optimizer_scalars, optimizer_state_dict_misuse, save_misuse, EXPORT_LIMIT, dcp_async_save, dcp_load, dcp_load_named, dcp_save,
                           dcp_train_resume, fsdp2_dcp, fsdp2_train_save_continue, run_segments, save_then_killed_save,
                           segment, yashard_load_continue)
 from harness import run_distributed as launch, run_until_exit
@@ -499,7 +499,7 @@ def test_error_index_damaged(saved):
         yashard.load_checkpoint(root, _fresh()[0])
     (save_dir / "index.json").write_text(json.dumps({**index, "format_version": 99}))
     with pytest.raises(CheckpointError, match=r"has format_version 99, written by yashard 0\.1\.0; this yashard reads "
-                                              r"format_version <= 1: upgrade yashard"):
+                                              r"format_version <= 2: upgrade yashard"):
         yashard.load_checkpoint(root, _fresh()[0])
     bad = json.loads(json.dumps(index))
     bad["params"]["model.norm.weight"]["pieces"][0]["lo"] = 1
@@ -507,6 +507,40 @@ def test_error_index_damaged(saved):
     with pytest.raises(CheckpointError, match=r"the pieces of model\.norm\.weight do not cover it \(elements \[0, 1\) are "
                                               r"in no piece\); the index is damaged"):
         yashard.load_checkpoint(root, _fresh()[0])
+
+
+def test_checkpoint_buffers_are_checked_and_older_saves_keep_the_models(pg, tmp_path):
+    """A stored buffer is checked like a piece (its CRC-32, the model's buffers against the
+    checkpoint's, naming both sides); a format-1 save, which stored no buffers, loads and leaves the
+    model's own."""
+    sm = yashard.shard(build("deepseek_v3", seed=3))
+    name, bias = next((n, b) for n, b in sm.module.named_buffers() if n.endswith("e_score_correction_bias"))
+    with torch.no_grad():
+        bias.fill_(2.0)
+    save_dir = yashard.save_checkpoint(tmp_path / "ck", sm)
+    index = json.loads((save_dir / "index.json").read_text())
+    old = {k: v for k, v in index.items() if k != "buffers"}
+    (save_dir / "index.json").write_text(json.dumps({**old, "format_version": 1}))
+    with torch.no_grad():
+        bias.fill_(5.0)
+    yashard.load_checkpoint(tmp_path / "ck", sm)
+    assert torch.equal(bias, torch.full_like(bias, 5.0))
+    wrong = json.loads(json.dumps(index))
+    wrong["buffers"][name]["shape"] = [7]
+    (save_dir / "index.json").write_text(json.dumps(wrong))
+    with pytest.raises(CheckpointError, match=rf"{re.escape(name)}: checkpoint buffer of shape \(7,\), model buffer "
+                                              r"of shape \(4,\)"):
+        yashard.load_checkpoint(tmp_path / "ck", sm)
+    wrong = json.loads(json.dumps(index))
+    wrong["buffers"][name]["crc32"] ^= 1
+    (save_dir / "index.json").write_text(json.dumps(wrong))
+    with pytest.raises(CheckpointError, match=rf"tensor 'buffer/{re.escape(name)}' do not match the checksum the save "
+                                              "recorded"):
+        yashard.load_checkpoint(tmp_path / "ck", sm)
+    assert torch.equal(bias, torch.full_like(bias, 5.0))   # checked before anything was modified
+    (save_dir / "index.json").write_text(json.dumps(index))
+    yashard.load_checkpoint(tmp_path / "ck", sm)
+    assert torch.equal(bias, torch.full_like(bias, 2.0))
 
 
 @pytest.mark.parametrize("family,overrides,expected", [
@@ -800,6 +834,35 @@ def test_export_failure_keeps_the_previous_export(pg, tmp_path, monkeypatch):
         yashard.export_hf(sm, tmp_path / "hf")
     assert {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()} == before
     assert sorted(os.listdir(tmp_path)) == ["hf"]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")   # no_dist=True says so
+def test_persistent_buffers_travel_with_the_weights(tmp_path):
+    """What state_dict() holds besides parameters (DeepSeek-V3's router biases, set as a training
+    loop sets them) is in the export, which transformers loads with nothing missing and which computes
+    what the sharded model computed; save_checkpoint / load_checkpoint and DCP restore it, and the DCP
+    checkpoint loads into an unsharded model."""
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoModelForCausalLM
+
+    results = launch(persistent_buffers_travel, 2, str(tmp_path))
+    res = results[0]
+    assert len(res["set_to"]) == 3 and all(b.abs().sum() > 0 for b in res["set_to"].values())
+    for r, out in enumerate(results):
+        for how, got in out["after"].items():
+            assert all(torch.equal(got[n], res["set_to"][n]) for n in res["set_to"]), (r, how)
+    hf, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    buffers = dict(hf.named_buffers())
+    assert all(torch.equal(buffers[n], v) for n, v in res["set_to"].items())
+    with torch.no_grad():
+        assert rel_err(hf(input_ids=res["ids"]).logits, res["logits"]) < 1e-5
+    plain = build("deepseek_v3", seed=8)
+    sd = plain.state_dict()
+    dcp.load(sd, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    assert all(torch.equal(sd[n], v) for n, v in res["set_to"].items())
+    index = json.loads(next((tmp_path / "ckpt").glob("save-*/index.json")).read_text())
+    assert index["format_version"] == 2 and sorted(index["buffers"]) == sorted(res["set_to"])
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Sharded checkpoints: every rank saves its own flat pieces; a load at any world size reads back
 exactly the ranges it owns.
 
-On-disk format (``format_version`` 1)
+On-disk format (``format_version`` 2)
 -------------------------------------
 ::
 
@@ -17,13 +17,18 @@ one 1-D tensor per kind, keyed ``<kind>/<HF name>[<lo>:<hi>]`` where ``[lo, hi)`
 of the parameter's flattened elements and the kind is ``master`` (the fp32 master weights) or
 ``optim.<state key>`` (every optimizer state tensor with the master's shape: AdamW ``exp_avg`` /
 ``exp_avg_sq``, amsgrad ``max_exp_avg_sq``, SGD ``momentum_buffer``, ...). Padding is not stored.
+Rank 0's file also holds the model's persistent buffers (what ``state_dict()`` holds besides
+parameters: a router's score-correction bias, ...), whole, keyed ``buffer/<name>``: every rank has
+the same copy, and a training loop may change them.
 
 ``index.json`` holds ``format`` / ``format_version`` / ``yashard_version`` / ``torch_version``; the
 world, shard world and replica world of the save; ``model`` (class, config class, the config itself,
 and a sha256 ``fingerprint`` of the parameter names, shapes and ties); ``files`` (name -> bytes and
 shard rank); ``params`` (every HF parameter, by its canonical name: full ``shape``, the ``unit``,
 the names ``tied`` to it, and its ``pieces``: file, ``lo``, ``hi``, the tensor key per kind and the
-``crc32`` of each tensor's bytes, checked at load over every piece a rank reads);
+``crc32`` of each tensor's bytes, checked at load over every piece a rank reads); ``buffers``
+(name -> file, key, dtype, shape, crc32; version 2 on: version 1 saves stored none, and loading one
+leaves the model's buffers as they are);
 ``optimizer`` (``null`` or: class, module, ``param_groups`` as unit names plus every
 hyperparameter but ``params``, and per unit the sharded state keys with their dtypes and the
 replicated scalars, e.g. AdamW's ``step``, taken from rank 0); and the user's ``extra``.
@@ -81,7 +86,7 @@ if TYPE_CHECKING:  # pragma: no cover
 logger = logging.getLogger("yashard")
 
 FORMAT = "yashard-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: persistent buffers are stored (a version-1 reader would drop them)
 INDEX = "index.json"
 _CRC_CHUNK = 1 << 22  # elements per read while checking a piece's checksum
 POINTER = "LATEST"
@@ -275,6 +280,27 @@ def model_params(rt: "Runtime") -> dict[str, dict]:
     return out
 
 
+def persistent_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of every buffer ``model.state_dict()`` holds (persistent, not None), each
+    tensor once (under its first name), less the model's ``_keys_to_ignore_on_save``: what
+    ``save_pretrained`` stores besides parameters."""
+    ignore = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
+    out, seen = [], set()
+    for mod_name, module in model.named_modules():
+        for name, buf in module._buffers.items():
+            fqn = f"{mod_name}.{name}" if mod_name else name
+            if buf is None or name in module._non_persistent_buffers_set or fqn in ignore or id(buf) in seen:
+                continue
+            seen.add(id(buf))
+            out.append((fqn, buf))
+    return out
+
+
+def buffer_key(name: str) -> str:
+    """Tensor key of persistent buffer ``name`` in rank 0's shard file."""
+    return f"buffer/{name}"
+
+
 def _config_dict(hf) -> dict | None:
     cfg = getattr(hf, "config", None)
     if cfg is None or not hasattr(cfg, "to_json_string"):
@@ -391,6 +417,11 @@ def _write_rank_file(save_dir: Path, rt: "Runtime", optimizer, opt_meta: dict | 
         return optimizer.state[u.master][kind[len("optim."):]].detach()
 
     specs = [(key, source(u, kind).dtype, (n,)) for key, u, kind, _, n in jobs]
+    buffers = persistent_buffers(rt.model) if comm.rank == 0 else []  # (replicated: rank 0's copy)
+    for name, b in buffers:
+        if b.dtype not in ST_DTYPES:
+            raise TypeError(f"buffer {name} has dtype {b.dtype}, which a yashard checkpoint (safetensors) cannot store")
+        specs.append((buffer_key(name), b.dtype, tuple(b.shape)))
     fname = shard_file_name(comm.shard_rank, comm.shard_world)
     writer = StreamedSafetensors(save_dir / fname, specs, metadata={
         "format": "pt", "yashard_checkpoint": str(FORMAT_VERSION),
@@ -405,6 +436,12 @@ def _write_rank_file(save_dir: Path, rt: "Runtime", optimizer, opt_meta: dict | 
                 piece = cached[2][start:start + n]
                 crcs[key] = tensor_crc32(piece)
                 writer.write(key, piece)
+            stored = {}
+            for name, b in buffers:
+                value = b.detach().to("cpu").contiguous()
+                stored[name] = {"file": fname, "key": buffer_key(name), "dtype": _dtype_name(b.dtype),
+                                "shape": list(b.shape), "crc32": tensor_crc32(value)}
+                writer.write(buffer_key(name), value)
     except BaseException:
         writer.abort()
         raise
@@ -413,7 +450,7 @@ def _write_rank_file(save_dir: Path, rt: "Runtime", optimizer, opt_meta: dict | 
         pc["crc32"] = {kind: crcs[key] for kind, key in pc["keys"].items()}
     scalars = {unit: s["scalars"] for unit, s in state_meta.items()}
     return {"file": fname, "bytes": writer.nbytes, "shard_rank": comm.shard_rank, "pieces": pieces,
-            "sharded": sharded, "scalars": scalars}
+            "sharded": sharded, "scalars": scalars, "buffers": stored if comm.rank == 0 else None}
 
 
 def _build_index(rt: "Runtime", metas: list[dict], opt_meta: dict | None, extra: Any) -> dict:
@@ -457,6 +494,7 @@ def _build_index(rt: "Runtime", metas: list[dict], opt_meta: dict | None, extra:
                   "fingerprint": fingerprint(described),
                   "config": _config_dict(hf)},
         "files": files, "params": params, "optimizer": optimizer, "extra": extra,
+        "buffers": next(m["buffers"] for m in metas if m["buffers"] is not None),
         "comm_hook_state": _hook_state(rt),
     }
 
@@ -647,12 +685,22 @@ def read_index(save_dir: Path) -> dict:
         problem = coverage_problem(math.prod(p["shape"]), [(pc["lo"], pc["hi"]) for pc in p["pieces"]])
         if problem:
             raise CheckpointError(f"{f}: the pieces of {name} do not cover it ({problem}); the index is damaged")
+    for name, b in (index.get("buffers") or {}).items():
+        if b["file"] not in index["files"]:
+            raise CheckpointError(f"{f}: buffer {name} is in {b['file']!r}, which the index does not list")
     return index
+
+
+def _describe_buffers(described: dict[str, dict]) -> dict[str, str]:
+    return {name: f"buffer of shape {tuple(b['shape'])}" for name, b in described.items()}
 
 
 def _check_model(index: dict, rt: "Runtime", save_dir: Path) -> None:
     ck = describe_params(index["params"])
     mine = describe_params(model_params(rt))
+    if index.get("buffers") is not None:  # (version 1 saves stored none: the model keeps its own)
+        ck.update(_describe_buffers(index["buffers"]))
+        mine.update(_describe_buffers({n: {"shape": list(b.shape)} for n, b in persistent_buffers(rt.model)}))
     diff = params_diff(ck, mine)
     if diff:
         m = index["model"]
@@ -813,6 +861,25 @@ class _Files:
         self.handles[fname] = (h, set(h.keys()))
         return self.handles[fname]
 
+    def read_buffer(self, name: str, rec: dict) -> torch.Tensor:
+        """Persistent buffer ``name`` as the index describes it (``rec``), checked against its CRC-32."""
+        h, keys = self.get(rec["file"])
+        f = self.dir / rec["file"]
+        if rec["key"] not in keys:
+            raise CheckpointError(f"{f} lacks the tensor {rec['key']!r} its index lists; it is damaged")
+        value = h.get_tensor(rec["key"])
+        if list(value.shape) != rec["shape"] or value.dtype != _dtype_from_name(rec["dtype"]):
+            raise CheckpointError(
+                f"{f}: tensor {rec['key']!r} is {value.dtype} {list(value.shape)}, the index expects "
+                f"{rec['dtype']} {rec['shape']}; the file is damaged"
+            )
+        if tensor_crc32(value) != rec["crc32"]:
+            raise CheckpointError(
+                f"{f}: the bytes of tensor {rec['key']!r} do not match the checksum the save recorded (CRC-32): the "
+                "file was damaged after the save; restore it or load an earlier checkpoint"
+            )
+        return value
+
     def check(self, read: _Read, kind: str, dtype: str) -> None:
         h, keys = self.get(read.file)
         key = read.keys.get(kind)
@@ -870,6 +937,7 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer: torch.optim.Optim
                     files.check(r, "master", "float32")
                     for k, dt in sharded.items():
                         files.check(r, f"optim.{k}", dt)
+            buffers = {n: files.read_buffer(n, b) for n, b in (index.get("buffers") or {}).items()}
         except Exception as e:  # noqa: BLE001 - shared with every rank by _agree
             err = e
         _agree(comm, "load_checkpoint", err)
@@ -877,6 +945,10 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer: torch.optim.Optim
         err = None
         try:
             _fill(rt, plan, files, optimizer, index)
+            with torch.no_grad():
+                for name, b in persistent_buffers(rt.model):
+                    if name in buffers:
+                        b.copy_(buffers[name])
             hook_state = index.get("comm_hook_state")
             if hook_state is not None and callable(getattr(rt.comm_hook_state, "load_state_dict", None)):
                 rt.comm_hook_state.load_state_dict(hook_state)

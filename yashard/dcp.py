@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from .checkpoint import optimizer_units
+from .checkpoint import optimizer_units, persistent_buffers
 from .layout import flat_range_boxes, shard_pieces
 
 
@@ -157,15 +157,19 @@ def _entry_views(u, flat: torch.Tensor, rank: int) -> list[ShardedParameter]:
     return out
 
 
-def sharded_state_dict(rt) -> dict[str, ShardedParameter]:
-    """Every HF parameter name (tied names included) -> its :class:`ShardedParameter` on this rank."""
-    out: dict[str, ShardedParameter] = {}
+def sharded_state_dict(rt) -> dict[str, torch.Tensor]:
+    """Every HF parameter name (tied names included) -> its :class:`ShardedParameter` on this rank,
+    and every persistent buffer's name -> the buffer itself (replicated: DCP writes one copy and
+    loads it in place on every rank), as the model's own ``state_dict()`` holds them."""
+    out: dict[str, torch.Tensor] = {}
     for u in rt.units:
         # the master's detach() shares its version counter: a load is seen as a change
         for view, fqns in zip(_entry_views(u, u.master.detach(), rt.comm.shard_rank), u.fqns):
             for fqn in fqns:
                 out[fqn] = view if fqn == fqns[0] else ShardedParameter(view.shape, view.boxes, view.dtype,
                                                                         view.device, fqn)
+    for name, b in persistent_buffers(rt.model):
+        out[name] = b
     return out
 
 

@@ -16,7 +16,10 @@ fits in one file. Which tensor goes to which file is planned before anything is 
 Streaming: for each unit every rank joins one all-gather of the unit's flat vector into a temporary
 buffer and rank 0 appends that unit's tensors (cast to ``dtype``) to the file(s) they are planned
 in, so the extra memory is one unit. With tied input/output embeddings only the input embedding is stored; ``from_pretrained``
-re-ties the output embedding to it (transformers lists it in ``_tied_weights_keys``).
+re-ties the output embedding to it (transformers lists it in ``_tied_weights_keys``). Persistent
+buffers (a router's score-correction bias, ...) follow the parameters, rank 0's copy in the dtype the
+model holds them in, as ``save_pretrained`` stores them (``state_dict()`` holds them; non-persistent
+ones, such as rotary tables, are rebuilt by the model and not stored).
 
 Atomic protocol: rank 0 writes into a fresh sibling directory ``.<name>.yashard-tmp-<random>``,
 copies in what an existing ``path`` holds beside weights (tokenizer files, chat templates, READMEs:
@@ -42,7 +45,7 @@ from pathlib import Path
 import torch
 
 from ._io import StreamedSafetensors, exchange_dirs, fsync_dir, fsync_file
-from .checkpoint import CheckpointError, _agree, _runtime
+from .checkpoint import CheckpointError, _agree, _runtime, persistent_buffers
 
 WEIGHTS_INDEX = "model.safetensors.index.json"
 WEIGHTS_SINGLE = "model.safetensors"
@@ -185,14 +188,19 @@ def export_hf(model, path: str | os.PathLike, *, dtype: torch.dtype | None = Non
     units = rt.units
     emb = _input_embedding_name(hf)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    # (layout entry, stored name) of every tensor in unit order, and the file each goes to
+    # (layout entry, stored name) of every tensor in unit order, then the persistent buffers, and the
+    # file each goes to
     tensors = [(e, nm) for u in units for nm, e in zip(stored_names(u.fqns, emb), u.layout.entries)]
-    file_of = plan_files([e.numel * itemsize for e, _ in tensors], limit)
+    buffers = persistent_buffers(hf)
+    sizes = [e.numel * itemsize for e, _ in tensors] + [b.numel() * b.element_size() for _, b in buffers]
+    file_of = plan_files(sizes, limit)
     n_files = file_of[-1] + 1
     fnames = [WEIGHTS_SINGLE] if n_files == 1 else [export_file_name(i + 1, n_files) for i in range(n_files)]
     specs: list[list] = [[] for _ in range(n_files)]
     for (e, nm), f in zip(tensors, file_of):
         specs[f].append((nm, dtype, e.shape))
+    for (nm, b), f in zip(buffers, file_of[len(tensors):]):
+        specs[f].append((nm, b.dtype, tuple(b.shape)))
     dest = Path(os.path.realpath(path))  # a symlinked folder: write (and swap) its target, as save_pretrained
     err, tmp = None, None
     try:
@@ -206,6 +214,19 @@ def export_hf(model, path: str | os.PathLike, *, dtype: torch.dtype | None = Non
     total = 0
     err = None
     writer, at = None, 0   # the open file and the position of the next tensor in ``tensors``
+
+    def put(i: int, nm: str, value: torch.Tensor) -> None:  # the i-th planned tensor, into its file
+        nonlocal writer, total
+        f = file_of[i]
+        if writer is None or writer.path.name != fnames[f]:
+            if writer is not None:
+                writer.close()
+                writer = None  # closed: nothing to abort if opening the next one fails
+            writer = StreamedSafetensors(tmp / fnames[f], specs[f], metadata={"format": "pt"})
+        writer.write(nm, value)
+        weight_map[nm] = fnames[f]
+        total += sizes[i]
+
     with torch.no_grad():
         for u in units:
             flat = torch.empty(u.layout.padded, dtype=torch.float32, device=u.master.device)
@@ -217,21 +238,22 @@ def export_hf(model, path: str | os.PathLike, *, dtype: torch.dtype | None = Non
             try:
                 for i in mine:
                     e, nm = tensors[i]
-                    f = file_of[i]
-                    if writer is None or writer.path.name != fnames[f]:
-                        if writer is not None:
-                            writer.close()
-                            writer = None  # closed: nothing to abort if opening the next one fails
-                        writer = StreamedSafetensors(tmp / fnames[f], specs[f], metadata={"format": "pt"})
-                    writer.write(nm, flat[e.offset:e.end].view(e.shape).to(dtype))
-                    weight_map[nm] = fnames[f]
-                    total += e.numel * itemsize
+                    put(i, nm, flat[e.offset:e.end].view(e.shape).to(dtype))
             except Exception as e:  # noqa: BLE001
                 err = e
                 if writer is not None:
                     writer.abort()
                 writer = None
             del flat
+        if comm.rank == 0 and err is None:
+            try:
+                for i, (nm, b) in enumerate(buffers, start=len(tensors)):
+                    put(i, nm, b.detach())
+            except Exception as e:  # noqa: BLE001
+                err = e
+                if writer is not None:
+                    writer.abort()
+                writer = None
     if writer is not None and err is None:
         try:
             writer.close()

@@ -19,7 +19,8 @@ from loading_workers import folder_as_transformers_reads_it, loading_peak, shard
 from models import build, tiny_config
 
 CASES = [("llama", {}), ("llama", {"tie_word_embeddings": True}), ("qwen2", {}),
-         ("qwen3", {"tie_word_embeddings": True}), ("mistral", {})]
+         ("qwen3", {"tie_word_embeddings": True}), ("mistral", {}),
+         ("falcon_h1", {})]  # (its model's initialisation sets every layer's mamba.mup_vector buffer)
 
 
 def _cpu_reference(family, overrides, seed):
@@ -94,6 +95,18 @@ def test_folder_loading_reads_the_folders_weights(hf_folders):
     # bf16 files: the fp32 masters hold exactly the bf16 values
     res = run_distributed(shard_folder, 2, single, True)[0]
     assert all(torch.equal(res["params"][k], ref[k].bfloat16().float()) for k in ref)
+
+
+def test_a_folder_whose_buffers_the_model_initialises(tmp_path):
+    """Falcon-H1 stores no mamba.mup_vector (a non-persistent buffer its model's initialisation sets in
+    every layer): loading its folder computes it as transformers' from_pretrained does."""
+    build("falcon_h1", seed=2).save_pretrained(tmp_path / "falcon")
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "falcon")
+    ids = torch.arange(12).reshape(2, 6) % 90
+    with torch.no_grad():
+        ref_logits = ref(input_ids=ids).logits
+    res = run_distributed(shard_folder, 2, str(tmp_path / "falcon"), True)[0]
+    torch.testing.assert_close(res["logits"], ref_logits, rtol=1e-5, atol=1e-5)
 
 
 def test_a_folder_is_read_as_transformers_reads_it(tmp_path):

@@ -340,6 +340,7 @@ class _Replay:
         self.done: set[int] = set()                    # modules whose final values are delivered
         self.delivered: set[int] = set()               # id(meta param) already handed out
         self.unset: list[str] = []
+        self.buffers: list[tuple[str, nn.Module, str]] = []  # materialised here: checked by check_buffers
         self.names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
 
     def run(self) -> None:
@@ -349,6 +350,7 @@ class _Replay:
             for module in self.model.modules():
                 if id(module) not in self.done:
                     self.finalise(module, None)
+        self.check_buffers()
         if self.unset:
             raise ValueError(
                 f"{', '.join(self.unset[:4])} of the meta-device model are set by no initialisation (no "
@@ -386,6 +388,7 @@ class _Replay:
                 if fresh.is_floating_point():
                     fresh.fill_(float("nan"))
                 module._buffers[bname] = fresh
+                self.buffers.append((name, module, bname))
         metas = {n: p for n, p in module._parameters.items() if p is not None and p.is_meta}
         for pname, meta in metas.items():
             fresh = torch.empty(meta.shape, dtype=meta.dtype)
@@ -412,7 +415,13 @@ class _Replay:
                 continue
             self.delivered.add(id(meta))
             self.on_param(meta, value)
-        for bname, b in module._buffers.items():
+
+    def check_buffers(self) -> None:
+        """Name every buffer materialised here that no initialisation set. Checked once every module
+        is done, not when its own module is: an ancestor's initialisation may set it (Falcon-H1's
+        model sets every layer's ``mamba.mup_vector``), as it runs after its children's."""
+        for name, module, bname in self.buffers:
+            b = module._buffers.get(bname)
             if b is not None and b.is_floating_point() and torch.isnan(b).any():
                 self.unset.append(f"buffer {name}.{bname}")
 
@@ -458,8 +467,9 @@ def from_init(model: nn.Module, groups, layouts, masters, rank: int, index: Para
 def init_meta_buffers(model: nn.Module) -> None:
     """Compute the meta buffers (rotary tables) of a model whose parameters come from elsewhere.
 
-    Runs the model's own initialisation on the modules that hold meta buffers, with scratch
-    parameters whose values are discarded (draws included), so only the buffers are kept.
+    Runs the model's own initialisation on the modules that hold meta buffers and then on their
+    ancestors (children first, as HF initialises: an ancestor may set a descendant's buffer), with
+    scratch parameters whose values are discarded (draws included), so only the buffers are kept.
     """
     holders = [m for m in model.modules() if any(b is not None and b.is_meta for b in m._buffers.values())]
     if not holders:
@@ -472,10 +482,24 @@ def init_meta_buffers(model: nn.Module) -> None:
         owner_fn[id(module)] = fn
     walk(model, _hf_init_fn(model))
     replay = _Replay(model, lambda meta, value: None)
+    wanted = {id(m) for m in holders}
+    order = []  # the holders and their ancestors, children first
+
+    def post_order(module) -> bool:
+        below = False
+        for child in module.children():
+            below |= post_order(child)
+        if below or id(module) in wanted:
+            order.append(module)
+            return True
+        return False
+
+    post_order(model)
     with torch.no_grad(), _init_guard():
-        for module in holders:
+        for module in order:
             replay.finalise(module, owner_fn[id(module)])
     torch.set_rng_state(state)
+    replay.check_buffers()
     if replay.unset:
         unset = [u for u in replay.unset if u.startswith("buffer")]
         if unset:

@@ -365,8 +365,11 @@ def ranks_build_different_models(rank, world, what):
 
 def inputs_embeds_from_the_input_embedding(rank, world, tied):
     """LLaVA / prompt-tuning style: inputs_embeds = model.get_input_embeddings()(ids) (scaled, so it is
-    not the model's own path), then model(inputs_embeds=..., labels=ids), from the very first step; a
-    plain forward at step 2; a no-grad call in between. Against the unsharded model on the global batch."""
+    not the model's own path), then model(inputs_embeds=..., labels=ids), from the very first step; at
+    step 1 the embeddings are computed under torch.no_grad() (a frozen prompt), at step 3 outside the
+    model after an evaluation forward (with tied embeddings the head alone then gives the tied weight
+    its gradient); a plain forward at step 2; a no-grad call in between. Against the unsharded model
+    on the global batch."""
     sm = yashard.shard(build(num_hidden_layers=3, tie_word_embeddings=tied))
     ref = build(num_hidden_layers=3, tie_word_embeddings=tied)
     opt = torch.optim.AdamW(sm.param_groups(0.1), lr=1e-2)
@@ -377,10 +380,20 @@ def inputs_embeds_from_the_input_embedding(rank, world, tied):
     def loss_of(m, x, step):
         if step == 2:
             return m(input_ids=x, labels=x).loss
+        if step == 1:
+            with torch.no_grad():
+                embeds = m.get_input_embeddings()(x) * 1.5
+            return m(inputs_embeds=embeds, labels=x).loss
+        if step == 3:
+            with torch.no_grad():
+                m(input_ids=x)  # an evaluation
+            table = (sm.full_state_dict()["model.embed_tokens.weight"] if m is sm
+                     else ref.model.embed_tokens.weight.detach())
+            return m(inputs_embeds=torch.nn.functional.embedding(x, table), labels=x).loss
         return m(inputs_embeds=m.get_input_embeddings()(x) * 1.5, labels=x).loss
 
     losses, ref_losses = [], []
-    for step in range(4):
+    for step in range(5):
         batch = batches(step + 1, 2 * world, 8, 96)[step]
         loss = loss_of(sm, batch.chunk(world)[rank], step)
         loss.backward()

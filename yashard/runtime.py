@@ -401,6 +401,11 @@ class Runtime:
             self._hooks.append(module.register_forward_pre_hook(_opaque(functools.partial(self._pre_forward, unit)),
                                                                 with_kwargs=True))
             self._hooks.append(module.register_forward_hook(_opaque(functools.partial(self._post_forward, unit))))
+        if self.lm_head is None and self.embed is not None and any(
+                m is modules["lm_head"] for locs in self.embed.locations for m, _ in locs):
+            # tied embeddings: the head multiplies by the embedding unit's views
+            self._hooks.append(modules["lm_head"].register_forward_pre_hook(_opaque(self._tied_head_pre_forward),
+                                                                            with_kwargs=True))
 
     # ------------------------------------------------------------------ gathers (R1, R2)
     def gather(self, unit: Unit) -> None:
@@ -713,6 +718,31 @@ class Runtime:
             flat[i] = g
         return tree_unflatten(flat, spec)
 
+    def _tied_head_pre_forward(self, module, args, kwargs):
+        """The output embedding of a tied model reads the embedding unit's views. Usually the
+        embedding ran earlier in the same forward and installed them; when it did not run with
+        grad in this forward (``inputs_embeds`` computed under ``torch.no_grad()`` or outside the
+        model, after an evaluation or ``generate()``), the views are plain ones of another forward
+        and the tied weight would get no gradient from the head. Contract: the head reads weights
+        gathered from the masters as they are now, waited for (R2), and in a grad-enabled forward
+        the views it reads are this forward's (``Narrow`` outputs behind a gate on the head's
+        inputs, so the gradient reaches the tied weight and its reduction waits for it)."""
+        unit = self.embed
+        if not self._root_active:
+            return None  # (outside a model forward: nothing to join; the views in place are read)
+        if unit.slot.owner is not unit or unit.gathered_version != unit.master._version:
+            unit.gathered = None
+        fresh = unit.gathered is None
+        self._ensure_gathered(unit)
+        if torch.is_grad_enabled():
+            if unit.fwd_id == self.grad_fwd_id:
+                return None  # the embedding ran in this forward: its views are this forward's
+            unit.fwd_version = unit.master._version
+            return self._enter(unit, self.grad_fwd_id, args, kwargs)
+        if fresh:
+            unit.install_views(None)
+        return None
+
     def _embedding_ahead_of_forward(self, unit: Unit, args, kwargs):
         """The input embedding called on its own, ahead of the model forward that takes its output
         as ``inputs_embeds`` (LLaVA-style multimodal inputs, prompt tuning): it runs as the first
@@ -954,10 +984,20 @@ class Runtime:
                 self.norm_group.end_backward()
             self._drain()
             self.streams.current_waits_for_backward()  # (backward() may run on another stream than the forward)
-            unwritten = [u for u in self.units if u.grad_unwritten]  # no reduction wrote them (no_sync)
+            # Gradients attached at begin_backward that no reduction wrote. Under no_sync() (the unit's
+            # own buffer accumulates) they are zeroed: the synced backward adds to them. Otherwise no
+            # rank's loss reached any parameter of the unit in this backward (reductions are
+            # collective: none ran on any rank), and .grad goes back to None, as torch leaves a
+            # parameter no gradient reached, so the optimizer skips the shard (no weight decay, no
+            # momentum) exactly where torch skips its parameters.
+            unwritten = [u for u in self.units if u.grad_unwritten]
             if unwritten:
-                torch._foreach_zero_([u.grad_storage for u in unwritten])
+                held = [u for u in unwritten if u.unreduced]
+                if held:
+                    torch._foreach_zero_([u.grad_storage for u in held])
                 for u in unwritten:
+                    if not u.unreduced:
+                        u.master.grad = None
                     u.grad_unwritten = False
             for u in self.units:
                 if u.unreduced:  # a zero_grad from now on changes it: see begin_backward

@@ -171,6 +171,57 @@ def prefetch_after_step(rank, world):
     return dict(tail=steps_tail, loss=loss, ref=ref_loss)
 
 
+class _LateWork:
+    """An all-gather whose data lands only when it is waited for, as an asynchronous collective's
+    may (NCCL): a read that does not wait sees what the buffer held before."""
+
+    def __init__(self, work, tmp: torch.Tensor, out: torch.Tensor):
+        self.work, self.tmp, self.out = work, tmp, out
+
+    def wait(self, *args, **kwargs):
+        done = self.work.wait(*args, **kwargs)
+        self.out.copy_(self.tmp)
+        return done
+
+
+def late_landing_gathers(sm) -> None:
+    comm = sm.runtime.comm
+    gather = comm.all_gather
+
+    def all_gather(out, shard, unit, group=None):
+        tmp = torch.empty_like(out)
+        return _LateWork(gather(tmp, shard, unit, group), tmp, out)
+
+    comm.all_gather = all_gather
+
+
+def reads_between_step_and_forward(rank, world, tied, reshard):
+    """After opt.step(), before the next forward, with gathers that land when waited for: the norm
+    weight read off its module, the input embedding read (a stub's error, or None), and both after the
+    next forward, against the masters."""
+    cfg = yashard.ShardConfig(reshard_after_forward=reshard)
+    sm = yashard.shard(build(num_hidden_layers=2, tie_word_embeddings=tied), config=cfg)
+    late_landing_gathers(sm)
+    opt = torch.optim.SGD(sm.parameters(), lr=10.0)
+    ids = batches(1, 2 * world, 8, 96)[0].chunk(world)[rank]
+    sm(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    norm = sm.module.model.norm.weight.detach().clone()
+    embed = sm.module.model.embed_tokens.weight
+    try:
+        embed.sum()
+        embed_error = None
+    except RuntimeError as e:
+        embed_error = f"{type(embed).__name__}: {e}"
+    full = sm.full_state_dict()
+    with torch.no_grad():
+        sm(input_ids=ids)
+    after = {"norm": sm.module.model.norm.weight.detach().clone()}
+    if not isinstance(sm.module.model.embed_tokens.weight, yashard.ShardedStub):
+        after["embed"] = sm.module.model.embed_tokens.weight.detach().clone()
+    return dict(norm=norm, embed_error=embed_error, after=after, full=full)
+
+
 def uneven_micro_batches(rank, world):
     """Rank 0 runs two micro-batches, rank 1 one: their collectives stop matching. Nobody may hang."""
     sm, opt = _setup(collective_timeout=10)

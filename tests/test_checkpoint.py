@@ -1034,13 +1034,17 @@ def test_dcp_optimizer_state_of_a_fresh_optimizer_changes_nothing(pg):
 
 def test_dcp_fresh_optimizer_state_mid_step_is_refused(pg):
     """Creating a fresh optimizer's state takes a step, which would break the pending backward: refused,
-    saying so; between steps it works."""
+    saying so, also after an evaluation forward in between; between steps it works."""
     sm, opt = _fresh()
     x = batches(1, 2, 8, 96, seed=2)[0]
     loss = sm(input_ids=x, labels=x).loss
-    with pytest.raises(RuntimeError, match=r"AdamW has no state yet, and creating it takes an optimizer step, which "
-                                           r"cannot run between a forward and its backward"):
-        sm.sharded_optim_state_dict(opt)
+    for evaluation in (False, True):
+        if evaluation:
+            with torch.no_grad():
+                sm(input_ids=x)
+        with pytest.raises(RuntimeError, match=r"AdamW has no state yet, and creating it takes an optimizer step, "
+                                               r"which cannot run between a forward and its backward"):
+            sm.sharded_optim_state_dict(opt)
     loss.backward()          # the pending backward is intact
     sm.sharded_optim_state_dict(opt)
     opt.step()

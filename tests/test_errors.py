@@ -557,6 +557,15 @@ def test_no_sync_accumulates_and_zero_grad_drops_what_it_held(pg):
         _loss(sm, 1).backward()
         for k, v in _grads(sm).items():
             torch.testing.assert_close(v, second[k], rtol=1e-6, atol=1e-9)
+        # dropped, nothing unreduced is left: the clip and the step no longer refuse
+        opt.zero_grad(set_to_none=set_to_none)
+        with sm.no_sync():
+            _loss(sm, 0).backward()
+        with pytest.raises(RuntimeError, match=r"after a backward inside model\.no_sync\(\)"):
+            sm.clip_grad_norm_(1.0)
+        opt.zero_grad(set_to_none=set_to_none)
+        sm.clip_grad_norm_(1.0)
+        opt.step()
 
 
 def test_no_sync_keeps_gradients_of_parameters_the_last_micro_batch_skips(pg):

@@ -280,5 +280,9 @@ def test_a_parameter_no_rank_gave_a_gradient_is_named_once(world):
         assert "1 trainable parameter got no gradient on any rank since the last optimizer step: " \
                "model.layers.1.mlp.up_proj.weight. " in every[0]
         assert run_distributed(run_no_gradient_warning, world, "none", optimizers)[0] == []
+    # the zero-gradient step that creates a fresh optimizer's state names nothing (it trains nothing)
+    # and leaves the real step to name the parameter
+    with_state = run_distributed(run_no_gradient_warning, world, "every", 1, True)[0]
+    assert len(with_state) == 1 and "model.layers.1.mlp.up_proj.weight. " in with_state[0], with_state
     if world > 1:
         assert run_distributed(run_no_gradient_warning, world, "one")[0] == []

@@ -15,7 +15,7 @@ import yashard
 from harness import run_distributed, run_until_exit
 from reliability_workers import (backward_raises_then_training_goes_on, inputs_embeds_from_the_input_embedding, ranks_build_different_models, generate_uneven_lengths, torch_clip_on_masters, scaler_floor, default_backend_step, die_or_stall, fp16_nonfinite_without_scaler, fp16_scaler_misuse,
                                  guard_run, lm_head_too_early, nonfinite, nonfinite_skip_then_train,
-                                 optimizer_before_shard, prefetch_after_step, scaler_lifetime, scaler_steps, uneven_layers,
+                                 optimizer_before_shard, prefetch_after_step, reads_between_step_and_forward, scaler_lifetime, scaler_steps, uneven_layers,
                                  uneven_micro_batches)
 
 
@@ -93,6 +93,22 @@ def test_gathers_issued_after_the_step_are_redone_when_the_masters_change():
     for res in run_distributed(prefetch_after_step, 2):
         assert res["tail"] == [("all_gather", u) for u in ("small", "embed", "layer_0", "layer_1")]  # by opt.step()
         assert abs(res["loss"] - res["ref"]) < 1e-5 * abs(res["ref"]), res
+
+
+@pytest.mark.parametrize("tied,reshard", [(False, True), (True, True), (False, False)])
+def test_weights_read_between_the_step_and_the_next_forward(tied, reshard):
+    """The step's post-hook gathers again what the next forward needs first. The norm weights, which
+    stay readable between forwards, show the stepped values; the embedding (whose views stay on its
+    module where its slot is its own: tied, or reshard_after_forward=False) is a stub that raises
+    until the next forward puts this step's views back, never the weights before the step or a
+    gather in flight (gathers here land only when waited for, as NCCL's may)."""
+    for res in run_distributed(reads_between_step_and_forward, 2, tied, reshard):
+        assert torch.equal(res["norm"], res["full"]["model.norm.weight"])
+        assert res["embed_error"] is not None and res["embed_error"].startswith("ShardedStub: ")
+        assert "model.embed_tokens.weight" in res["embed_error"]
+        assert torch.equal(res["after"]["norm"], res["full"]["model.norm.weight"])
+        if tied or not reshard:
+            assert torch.equal(res["after"]["embed"], res["full"]["model.embed_tokens.weight"])
 
 
 def test_ranks_running_different_numbers_of_forward_passes_fail_instead_of_hanging():

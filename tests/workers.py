@@ -254,11 +254,13 @@ def run_compiled_optimizer_step(rank: int, world: int, compiled: bool) -> dict:
     return dict(losses=losses, params=sm.full_state_dict(), traced=sorted(traced["yashard_code"]))
 
 
-def run_no_gradient_warning(rank: int, world: int, unused_on: str, optimizers: int = 1) -> list[str]:
+def run_no_gradient_warning(rank: int, world: int, unused_on: str, optimizers: int = 1,
+                            state_dict_first: bool = False) -> list[str]:
     """Three AdamW steps with layer 1's ``up_proj`` left out of the MLP on every rank
     (``unused_on="every"``), on rank 0 only (``"one"``: the rank that logs) or nowhere (``"none"``),
-    by one optimizer or by two (one per param group, stepped one after the other); rank 0's
-    warnings that name a parameter without a gradient."""
+    by one optimizer or by two (one per param group, stepped one after the other), optionally with
+    ``sharded_optim_state_dict`` called on the fresh optimizer first (its zero-gradient step creates
+    the state); rank 0's warnings that name a parameter without a gradient."""
     import logging
 
     model = build("llama", seed=0)
@@ -272,6 +274,9 @@ def run_no_gradient_warning(rank: int, world: int, unused_on: str, optimizers: i
     handler.emit = records.append
     logging.getLogger("yashard").addHandler(handler)
     try:
+        if state_dict_first:
+            for opt in opts:
+                sm.sharded_optim_state_dict(opt)
         for batch in batches(3, 2 * world, 16, model.config.vocab_size):
             micro = batch.chunk(world)[rank]
             sm(input_ids=micro, labels=micro).loss.backward()

@@ -186,7 +186,8 @@ def _init_state(rt, optimizer, units: list) -> None:
     saved = [(u.master.grad, u.grad_unwritten) for u in units]
     weights = [u.master.detach().clone() for u in fresh]
     lrs = [g["lr"] for g in optimizer.param_groups]
-    warned = rt.warned_fp16
+    warned, stepped = rt.warned_fp16, rt.stepped_since_backward
+    rt.creating_optimizer_state = True  # (the step's checks are for training steps: see guards._before_step)
     try:
         for u in fresh:
             u.master.grad = torch.zeros_like(u.master)
@@ -196,7 +197,9 @@ def _init_state(rt, optimizer, units: list) -> None:
             g["lr"] = 0.0 if not torch.is_tensor(g["lr"]) else torch.zeros_like(g["lr"])
         optimizer.step()
     finally:
+        rt.creating_optimizer_state = False
         rt.warned_fp16 = warned   # the fp16 warning belongs to the first real step
+        rt.stepped_since_backward = stepped  # (the gradient flags still count toward the next real step)
         for g, lr in zip(optimizer.param_groups, lrs):
             g["lr"] = lr
         for u, (grad, unwritten) in zip(units, saved):

@@ -316,7 +316,8 @@ def _before_step(optimizer, args, kwargs):
         rt.check_no_new_parameters()
         rt.check_master_storage()
         check_loss_scaling(rt, optimizer)
-        step_checks(rt)
+        if not rt.creating_optimizer_state:  # (sharded_optim_state_dict's zero-gradient step trains nothing:
+            step_checks(rt)                  # no gradient to name, and the forward flags stay for the real one)
         rt.before_optimizer_step()
     return None
 

@@ -95,7 +95,7 @@ class FlatLayout:
 
     Attributes:
         entries: parameters in flat order, each with its offset.
-        total: number of parameter elements (sum of entry sizes).
+        total: end of the last entry: the entry sizes plus the alignment gaps between entries.
         shard_numel: elements per rank; ``shard_numel * world >= total``.
         world: number of ranks the unit is sharded over.
     """

@@ -326,6 +326,7 @@ class Runtime:
         self.trainable_entries = None  # (the step's checks: see guards._trainable_entries)
         self.warned_no_grad: set[str] = set()  # parameters named in the step's "got no gradient" warning
         self.stepped_since_backward = False  # an optimizer step ran since the last backward began
+        self.creating_optimizer_state = False  # sharded_optim_state_dict's zero-gradient step is running
         self.skipped_steps = 0
         self._structure = None  # (module, its parameters, its children) at the last full check_no_new_parameters
         self.grad_scalers = weakref.WeakSet()  # enabled ShardedGradScalers: they own non-finite gradients
@@ -489,7 +490,8 @@ class Runtime:
         if grad:
             self.grad_fwd_id += 1
             self._fwd_sync = self.require_grad_sync
-        self.backward_pending = grad  # (until its backward ends; a no-grad forward has none)
+        if grad:  # (until its backward ends; a no-grad forward in between, an evaluation, leaves it pending)
+            self.backward_pending = True
         self._fwd_cursor = 0
         self._bwd_last_layer = None
         for u in self.units:
@@ -638,14 +640,25 @@ class Runtime:
         for u in self.units:  # (a unit whose masters the step did not change keeps its gathered weights)
             if u.slot.owner is not u or u.gathered_version != u.master._version:
                 u.gathered = None
+        stale = [u for u in self.forward_order  # (a direct slot shows the shard itself: never stale)
+                 if u.gathered is None and u.views_until is None and not u.slot.direct]
         if self.small is not None:
             self._prefetch(self.small)
+            # The norm weights stay readable between forwards (model.model.norm.weight): they show
+            # the stepped values once this small gather is waited for (CUDA: the compute stream waits).
+            self.small.gathered.wait()
         free = set()  # every slot is free now: gather the first unit of each, in forward order
         with torch.enable_grad():  # gathers for a training forward: hpZ keeps its secondary slices
             for u in self.forward_order:
                 if u.slot.name not in free:
                     free.add(u.slot.name)
                     self._prefetch(u)
+        # Units whose views stay on their modules between forwards (a slot of their own:
+        # reshard_after_forward=False, tied embeddings) would show the weights before the step, or
+        # the gather in flight: their views come off, so a read until the next forward (which puts
+        # them back) is a ShardedStub that raises on its values instead of handing out stale ones.
+        for u in stale:
+            u.remove_views()
 
     def set_requires_grad(self, requires_grad: bool) -> None:
         """``requires_grad_`` of the whole sharded model: every master shard off, or back to what
@@ -834,10 +847,7 @@ class Runtime:
             if u.master.grad is None and u.grad_storage is not None and u.master.requires_grad:
                 u.master.grad = u.grad_storage
                 u.grad_unwritten = True
-            # a zero_grad() since a no_sync() backward drops what it accumulated, as in DDP
-            if u.unreduced and (u.grad_unwritten or u.master.grad is not u.grad_storage
-                                or u.grad_storage._version != u.unreduced_version):
-                u.unreduced = False
+        self._forget_dropped_unreduced()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def on_unit_backward_start(self, unit: Unit, fwd_id: int, views: list | None = None) -> None:
@@ -1144,6 +1154,14 @@ class Runtime:
             )
         self._structure = [(m, tuple(m._parameters.values()), tuple(m._modules.values())) for m in self.model.modules()]
 
+    def _forget_dropped_unreduced(self) -> None:
+        """A ``zero_grad()`` since a ``no_sync()`` backward drops what it accumulated, as in DDP: the
+        unit's ``.grad`` was set to None (or another tensor), or zeroed (its version moved)."""
+        for u in self.units:
+            if u.unreduced and (u.grad_unwritten or u.master.grad is not u.grad_storage
+                                or u.grad_storage._version != u.unreduced_version):
+                u.unreduced = False
+
     def check_grads_reduced(self, what: str) -> None:
         """Raise if a ``no_sync()`` backward left gradients that were never reduced across ranks, or
         if the last backward raised (its gradients are incomplete until the next forward resets)."""
@@ -1152,6 +1170,7 @@ class Runtime:
                 f"{what} after a backward that raised: its gradients are incomplete (some reductions never ran). "
                 "Call optimizer.zero_grad() and go on with the next batch: its forward resets the runtime"
             )
+        self._forget_dropped_unreduced()
         held = [self.module_name(u) for u in self.units if u.unreduced]
         if held:
             names = _some_names(held)

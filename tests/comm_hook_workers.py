@@ -353,3 +353,26 @@ def planned_hook_memory(rank: int, world: int) -> dict:
                          rows=[r.name for r in before.rows], warnings=list(said))
     logging.getLogger("yashard").removeHandler(handler)
     return out
+
+
+def groups_before_shard(rank: int, world: int) -> dict:
+    """Process groups created before ``shard()`` that not every rank belongs to. Over the whole world
+    (a ``new_group([0, 1])`` every rank called, as torch requires): hybrid sharding builds its groups
+    and trains (it hung until the timeout when the members named their groups by their own group
+    counts). Then over data-parallel subgroups ({0, 2}, {1, 3}), whose ranks now belong to different
+    numbers of groups: refused at once, naming the counts, instead of hanging."""
+    import yashard
+    from models import batches, build
+
+    dist.new_group([0, 1])
+    sm = yashard.shard(build(), config=yashard.ShardConfig(shard_group_size=2))
+    ids = batches(1, 4, 8, 96, seed=1)[0].chunk(world)[rank]
+    sm(input_ids=ids, labels=ids).loss.backward()
+    out = {"grads": sm.full_grads()}
+    dp = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2]
+    try:
+        yashard.shard(build(), process_group=dp, config=yashard.ShardConfig(shard_group_size=1))
+        out["subgroups"] = None
+    except RuntimeError as e:
+        out["subgroups"] = str(e)
+    return out

@@ -371,6 +371,21 @@ def torch_clip_on_masters(rank, world):
     out["plain"] = (torch.nn.utils.clip_grad_norm_([plain], 1.0).item(), plain.grad.tolist(),
                     torch.nn.utils.get_total_norm([plain.grad]).item())
     out["errors"] = errors
+    clean = [p.grad.clone() for p in b.parameters()]
+    out["inf_norm_nan"] = {}
+    for nan_on in range(world):  # a NaN on one rank makes the max-norm NaN on every rank, as in torch
+        with torch.no_grad():
+            for p, g in zip(b.parameters(), clean):
+                p.grad.copy_(g)
+            if rank == nan_on:
+                next(iter(b.parameters())).grad[1] = float("nan")
+        norm = b.clip_grad_norm_(1.0, norm_type=float("inf"))
+        try:
+            b.clip_grad_norm_(1.0, norm_type=float("inf"), error_if_nonfinite=True)
+            raised = False
+        except RuntimeError:
+            raised = True
+        out["inf_norm_nan"][nan_on] = (bool(torch.isnan(norm)), raised)
     if rank == 0:
         next(iter(a.parameters())).grad[0] = float("inf")
     kept = [p.grad.clone() for p in a.parameters()]

@@ -271,6 +271,18 @@ def test_paper_volume_table_cross_node_bytes():
     assert (f1 + b1 + g1) / m < 0.75
 
 
+def test_groups_not_every_rank_belongs_to_before_shard():
+    from comm_hook_workers import groups_before_shard
+
+    results = run_distributed(groups_before_shard, 4)
+    for res in results[1:]:
+        assert all(torch.equal(res["grads"][k], v) for k, v in results[0]["grads"].items())
+    for rank, res in enumerate(results):
+        assert res["subgroups"] is not None, rank
+        assert res["subgroups"].startswith("the ranks of the data-parallel group ") and \
+            "belong to different numbers of process groups (rank " in res["subgroups"], res["subgroups"]
+
+
 def test_hybrid_and_hpz_inside_a_data_parallel_subgroup():
     """Two data-parallel groups of one job, each sharding its own model: hybrid sharding and hpZ
     create their subgroups among each group's members (before, both groups' subgroups were named by

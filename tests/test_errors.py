@@ -102,6 +102,11 @@ def test_config_bad_shard_align(value):
     ("debug_collectives", "yes", TypeError, r"ShardConfig\.debug_collectives must be a bool, got str"),
     ("collective_timeout", 0, ValueError, r"ShardConfig\.collective_timeout must be a positive number of seconds or None, got 0"),
     ("collective_timeout", "60", ValueError, r"ShardConfig\.collective_timeout must be .* got '60'"),
+    ("collective_timeout", float("inf"), ValueError, r"ShardConfig\.collective_timeout=inf is longer than a wait can "
+                                                     r"be bounded by \(at most \d+ s\); pass None for no bound"),
+    ("collective_timeout", float("nan"), ValueError, r"ShardConfig\.collective_timeout must be a positive .* got nan"),
+    ("device", "meta", ValueError, r"ShardConfig\.device='meta': yashard trains on 'cpu' \(gloo\) or 'cuda' \(NCCL\) "
+                                   r"devices; build the model on the meta device"),
     ("reshard_after_forward", "no", TypeError, r"ShardConfig\.reshard_after_forward must be a bool, got str"),
 ])
 def test_config_bad_field(field, value, exc, message):

@@ -225,6 +225,8 @@ def test_torch_clip_grad_norm_on_a_sharded_model_clips_by_the_global_norm():
         assert out["plain"][0] == pytest.approx(norm) and out["plain"][2] == pytest.approx(1.0, rel=1e-5)
         assert out["plain"][1] == pytest.approx([2.0 / (norm + 1e-6)] * 3)
     assert outs[0]["norms"] == outs[1]["norms"]
+    for out in outs:  # a NaN on either rank: the max-norm is NaN on both (gloo's max alone can drop it)
+        assert out["inf_norm_nan"] == {0: (True, True), 1: (True, True)}, out["inf_norm_nan"]
     for out in outs:  # error_if_nonfinite raises on every rank (the norm is global) and clips nothing
         msg, untouched = out["nonfinite"]
         assert msg.startswith("the total norm of order 2.0 of the gradients is non-finite") and untouched, out

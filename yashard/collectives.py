@@ -325,12 +325,37 @@ class Comm:
         """Create one process group per list of ``group`` ranks, in order, and return the one this
         rank belongs to (None if none). Collective over ``group`` only: every rank of it calls it with
         the same lists, and ranks outside it never need to (``group`` may be a data-parallel subgroup
-        of a larger job: its tensor-parallel peers shard other models, or none)."""
+        of a larger job: its tensor-parallel peers shard other models, or none).
+
+        Over the whole world every rank creates every group (``new_group``'s default protocol: the
+        names come from a count every rank advances alike). Over a subgroup the members of each new
+        group synchronise among themselves (``use_local_synchronization``), whose names hash the
+        ranks with the number of groups this rank belongs to: ranks that belong to different numbers
+        of groups (an earlier ``new_group`` not every rank is in) would wait for each other under
+        different names until the timeout, so that is checked first and refused, naming the counts."""
+        members = [dist.get_global_rank(self.group, r) for r in range(self.world)]
+        if self.world == dist.get_world_size():
+            mine = None
+            for ranks in rank_lists:
+                g = dist.new_group([members[r] for r in ranks])
+                if self.rank in ranks:
+                    mine = g
+            return mine
+        from torch.distributed import distributed_c10d as c10d
+
+        counts = self.all_gather_object(len(c10d._world.pg_names), "process group count (creating subgroups)")
+        if len(set(counts)) > 1:
+            raise RuntimeError(
+                f"the ranks of the data-parallel group {members} belong to different numbers of process groups "
+                f"({', '.join(f'rank {m}: {n}' for m, n in zip(members, counts))}): torch names the subgroups "
+                "yashard creates over a group that is not the whole world by those counts, so the ranks would wait "
+                "for each other under different names until the timeout. Create every process group on every rank "
+                "of this group (and in the same order), or create yashard's groups yourself and pass a 2-D mesh"
+            )
         mine = None
         for ranks in rank_lists:
             if self.rank in ranks:  # (members synchronise among themselves: names hash the ranks)
-                mine = dist.new_group([dist.get_global_rank(self.group, r) for r in ranks],
-                                      use_local_synchronization=True)
+                mine = dist.new_group([members[r] for r in ranks], use_local_synchronization=True)
         return mine
 
     def new_shard_subgroups(self, rank_lists: list[list[int]]) -> dist.ProcessGroup | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +13,10 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def _dtype_name(d: object) -> str:
     return str(d).replace("torch.", "")
+
+
+# the longest wait a collective_timeout may bound: threading's and timedelta's limits
+_MAX_TIMEOUT = min(threading.TIMEOUT_MAX, datetime.timedelta.max.total_seconds())
 
 
 @dataclass(frozen=True)
@@ -150,8 +156,20 @@ class ShardConfig:
         t = self.collective_timeout
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
             raise ValueError(f"ShardConfig.collective_timeout must be a positive number of seconds or None, got {t!r}")
+        if t is not None and not t <= _MAX_TIMEOUT:  # (inf, nan: a wait cannot take it)
+            raise ValueError(
+                f"ShardConfig.collective_timeout={t!r} is longer than a wait can be bounded by (at most "
+                f"{_MAX_TIMEOUT:.0f} s); pass None for no bound"
+            )
         if self.device is not None:
-            object.__setattr__(self, "device", torch.device(self.device))
+            device = torch.device(self.device)
+            if device.type not in ("cpu", "cuda"):
+                raise ValueError(
+                    f"ShardConfig.device={str(device)!r}: yashard trains on 'cpu' (gloo) or 'cuda' (NCCL) devices; "
+                    "build the model on the meta device to shard it without memory (yashard initialises it), "
+                    "and pass device='cpu', 'cuda' or None (auto)"
+                )
+            object.__setattr__(self, "device", device)
 
     @property
     def wire_dtype(self) -> torch.dtype:

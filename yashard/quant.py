@@ -24,7 +24,10 @@ Error bound (documented contract, tested): for a finite block with absmax ``A`` 
 element satisfies ``|x - dequant_fp32(x)| <= s/2 + A * 2**-22 + 2**-140`` (``s`` instead of ``s/2``
 with stochastic rounding): half a quantization step, plus
 the fp32 rounding of ``x / s`` and ``code * s`` (``A * 2**-22``), plus a term below 2**-140 that only
-matters when ``s`` is subnormal or zero (``A < 2**-119``). Dequantizing into bf16/fp16 adds the
+matters when ``s`` is subnormal or zero (``A < 2**-119``); it assumes ``A * (1 + 2**-22)`` is below
+the largest fp32 value: a block whose absmax lies closer to it than that (``|x| > 3.4e38``, far beyond
+any gradient or weight that trains) may dequantize its largest elements to +-inf, since the product
+``code * s`` can round up past it. Dequantizing into bf16/fp16 adds the
 rounding of that dtype: ``|dequant_fp32| * u + eta / 2`` with ``u = 2**-8`` (bf16) or ``2**-11`` (fp16)
 and ``eta`` the dtype's smallest subnormal.
 

@@ -1280,8 +1280,12 @@ class Runtime:
         if norm_type == math.inf:
             parts = torch.stack(torch._foreach_norm(grads, math.inf)) if grads else zero.view(1)
             local = parts.max().float()
-            self.comm.all_reduce(local, "clip_grad_norm", op="max")  # replicas hold the same shards
-            total = local
+            # (a NaN travels as a flag beside the max: a backend's max may keep either operand when one
+            # is NaN, gloo's keeps the finite one when the NaN comes second)
+            nan = torch.isnan(local)
+            both = torch.stack([torch.where(nan, zero, local), nan.float()])
+            self.comm.all_reduce(both, "clip_grad_norm", op="max")  # replicas hold the same shards
+            total = torch.where(both[1] > 0, torch.full_like(both[0], math.nan), both[0])
         else:
             parts = _squares_per_tensor(grads) if grads else zero.view(1)
             sq = parts.sum().float()

@@ -12,15 +12,19 @@ import os
 
 import pytest
 import torch
+import transformers
 from transformers import AutoModelForCausalLM
 
 from harness import run_distributed
 from loading_workers import folder_as_transformers_reads_it, loading_peak, shard_folder, shard_meta
 from models import build, tiny_config
 
+# transformers 4.x computes Falcon-H1's mamba.mup_vector in its model's constructor, which on the meta
+# device leaves it unset with nothing to set it (yashard refuses, naming it: build such a model on the
+# CPU); from 5 on the model's initialisation sets it
+TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
 CASES = [("llama", {}), ("llama", {"tie_word_embeddings": True}), ("qwen2", {}),
-         ("qwen3", {"tie_word_embeddings": True}), ("mistral", {}),
-         ("falcon_h1", {})]  # (its model's initialisation sets every layer's mamba.mup_vector buffer)
+         ("qwen3", {"tie_word_embeddings": True}), ("mistral", {})] + [("falcon_h1", {})] * TRANSFORMERS_5
 
 
 def _cpu_reference(family, overrides, seed):
@@ -97,6 +101,7 @@ def test_folder_loading_reads_the_folders_weights(hf_folders):
     assert all(torch.equal(res["params"][k], ref[k].bfloat16().float()) for k in ref)
 
 
+@pytest.mark.skipif(not TRANSFORMERS_5, reason="transformers 4.x sets mup_vector in the constructor (see CASES)")
 def test_a_folder_whose_buffers_the_model_initialises(tmp_path):
     """Falcon-H1 stores no mamba.mup_vector (a non-persistent buffer its model's initialisation sets in
     every layer): loading its folder computes it as transformers' from_pretrained does."""

@@ -227,6 +227,13 @@ def export_hf(model, path: str | os.PathLike, *, dtype: torch.dtype | None = Non
         weight_map[nm] = fnames[f]
         total += sizes[i]
 
+    def failed(e: Exception) -> None:  # rank 0 stops writing; the other ranks still join the gathers
+        nonlocal err, writer
+        err = e
+        if writer is not None:
+            writer.abort()
+        writer = None
+
     with torch.no_grad():
         for u in units:
             flat = torch.empty(u.layout.padded, dtype=torch.float32, device=u.master.device)
@@ -240,20 +247,14 @@ def export_hf(model, path: str | os.PathLike, *, dtype: torch.dtype | None = Non
                     e, nm = tensors[i]
                     put(i, nm, flat[e.offset:e.end].view(e.shape).to(dtype))
             except Exception as e:  # noqa: BLE001
-                err = e
-                if writer is not None:
-                    writer.abort()
-                writer = None
+                failed(e)
             del flat
         if comm.rank == 0 and err is None:
             try:
                 for i, (nm, b) in enumerate(buffers, start=len(tensors)):
                     put(i, nm, b.detach())
             except Exception as e:  # noqa: BLE001
-                err = e
-                if writer is not None:
-                    writer.abort()
-                writer = None
+                failed(e)
     if writer is not None and err is None:
         try:
             writer.close()

@@ -538,9 +538,30 @@ def test_checkpoint_buffers_are_checked_and_older_saves_keep_the_models(pg, tmp_
                                               "recorded"):
         yashard.load_checkpoint(tmp_path / "ck", sm)
     assert torch.equal(bias, torch.full_like(bias, 5.0))   # checked before anything was modified
+    wrong = json.loads(json.dumps(index))
+    wrong["buffers"][name]["file"] = "shard-00009-of-00010.safetensors"
+    (save_dir / "index.json").write_text(json.dumps(wrong))
+    with pytest.raises(CheckpointError, match=rf"buffer {re.escape(name)} is in 'shard-00009-of-00010\.safetensors', "
+                                              "which the index does not list"):
+        yashard.load_checkpoint(tmp_path / "ck", sm)
+    wrong = json.loads(json.dumps(index))
+    wrong["buffers"][name]["key"] = "buffer/elsewhere"
+    (save_dir / "index.json").write_text(json.dumps(wrong))
+    with pytest.raises(CheckpointError, match=r"lacks the tensor 'buffer/elsewhere' its index lists; it is damaged"):
+        yashard.load_checkpoint(tmp_path / "ck", sm)
+    wrong = json.loads(json.dumps(index))
+    wrong["buffers"][name]["dtype"] = "float16"
+    (save_dir / "index.json").write_text(json.dumps(wrong))
+    with pytest.raises(CheckpointError, match=rf"tensor 'buffer/{re.escape(name)}' is torch\.float32 \[4\], the index "
+                                              r"expects float16 \[4\]; the file is damaged"):
+        yashard.load_checkpoint(tmp_path / "ck", sm)
     (save_dir / "index.json").write_text(json.dumps(index))
     yashard.load_checkpoint(tmp_path / "ck", sm)
     assert torch.equal(bias, torch.full_like(bias, 2.0))
+    sm.module.model.layers[0].register_buffer("phase", torch.zeros(2, dtype=torch.complex64))
+    with pytest.raises(TypeError, match=r"buffer model\.layers\.0\.phase has dtype torch\.complex64, which a yashard "
+                                        r"checkpoint \(safetensors\) cannot store"):
+        yashard.save_checkpoint(tmp_path / "ck", sm)
 
 
 @pytest.mark.parametrize("family,overrides,expected", [

@@ -566,10 +566,11 @@ def scaler_lifetime(rank, world):
     return out
 
 
-def fp16_scaler_misuse(rank, world, fused, dtype=torch.float16, kind="plain", autocast=None, unscale=True):
+def fp16_scaler_misuse(rank, world, fused, dtype=torch.float16, kind="plain", autocast=None, unscale=True, cfg=None):
     """Two steps with torch.amp.GradScaler (``fused``: AdamW(fused=True); ``kind="plain_off"``: a
-    disabled one) on ``param_dtype=dtype`` (under fp16 autocast with ``autocast``); the error it
-    raised, if any, and the yashard warnings logged."""
+    disabled one; any ``kind`` of :func:`scaler_steps`) on ``param_dtype=dtype`` (under fp16
+    autocast with ``autocast``; ``cfg``: more ShardConfig fields); the error it raised, if any, and
+    the yashard warnings logged."""
     import logging
 
     records = []
@@ -577,7 +578,7 @@ def fp16_scaler_misuse(rank, world, fused, dtype=torch.float16, kind="plain", au
     handler.emit = records.append
     logging.getLogger("yashard").addHandler(handler)
     try:
-        scaler_steps(rank, world, kind, fused, (), 2, dtype, autocast=autocast, unscale=unscale)
+        scaler_steps(rank, world, kind, fused, (), 2, dtype, cfg, autocast=autocast, unscale=unscale)
         error = None
     except RuntimeError as e:
         error = str(e)

@@ -326,3 +326,14 @@ def test_torch_amp_grad_scaler_is_refused_on_every_rank():
         assert error is None
         assert len(warnings) == (1 if rank == 0 else 0), warnings   # once, not every step
         assert all(w.startswith("param_dtype=float16 without yashard.ShardedGradScaler") for w in warnings)
+    # fp32 weights whose gradients are reduced in fp16 underflow the same way: warned, naming the other fix
+    fp16_wire = {"reduce_dtype": torch.float16}
+    for rank, (error, warnings) in enumerate(run_distributed(fp16_scaler_misuse, 2, False, torch.float32, None,
+                                                             None, True, fp16_wire)):
+        assert error is None
+        assert len(warnings) == (1 if rank == 0 else 0), warnings
+        assert warnings == [] or (warnings[0].startswith("reduce_dtype=float16 without yashard.ShardedGradScaler")
+                                  and warnings[0].endswith("ShardedGradScaler(model), or reduce_dtype=torch.float32"))
+    for error, warnings in run_distributed(fp16_scaler_misuse, 2, False, torch.float32, "sharded", None, True,
+                                           fp16_wire):
+        assert (error, warnings) == (None, [])

@@ -29,8 +29,10 @@ class ShardConfig:
             gradients and the optimizer state are always fp32.
         reduce_dtype: dtype of the gradient buffers and of gradients on the wire. The reduction is
             a SUM followed by a division by the world size in fp32 (post-divide). ``None`` means
-            fp32. fp16 with bf16 params is rejected (fp16 overflows where bf16 does not); a reduce
-            dtype narrower than fp32 trades gradient precision for bandwidth.
+            fp32. fp16 with bf16 params is rejected (fp16 overflows where bf16 does not); fp16
+            gradients need loss scaling (:class:`yashard.ShardedGradScaler`; without one the first
+            step logs a warning); a reduce dtype narrower than fp32 trades gradient precision for
+            bandwidth.
         checkpoint_layers: how many decoder layers (counted from the first) recompute their
             activations in backward instead of storing them. 0 disables activation checkpointing;
             a value larger than the number of layers is an error at :func:`yashard.shard` time.

@@ -334,15 +334,17 @@ def check_loss_scaling(rt, optimizer) -> None:
             "weights and loss scales drift apart, or a rank waits forever in a collective the others skipped). Use "
             "scaler = yashard.ShardedGradScaler(model): the same API, with the check agreed across ranks"
         )
-    if rt.config.param_dtype == torch.float16 and not rt.warned_fp16:
+    fp16 = [f"{k}=float16" for k, d in (("param_dtype", rt.config.param_dtype), ("reduce_dtype", rt.config.wire_dtype))
+            if d == torch.float16]
+    if fp16 and not rt.warned_fp16:
         rt.warned_fp16 = True
         if rt.comm.rank == 0:
             logger.warning(
-                "param_dtype=float16 without yashard.ShardedGradScaler: fp16 gradients underflow without loss "
-                "scaling, and torch.amp.GradScaler decides per rank (ranks holding other shards skip other steps: "
-                "they drift apart or wait in a collective the others skipped). Use scaler = "
-                "yashard.ShardedGradScaler(model)"
-            )
+                "%s without yashard.ShardedGradScaler: fp16 gradients underflow (and overflow to inf) without "
+                "loss scaling, and torch.amp.GradScaler decides per rank (ranks holding other shards skip other "
+                "steps: they drift apart or wait in a collective the others skipped). Use scaler = "
+                "yashard.ShardedGradScaler(model)%s", " and ".join(fp16),
+                "" if rt.config.param_dtype == torch.float16 else ", or reduce_dtype=torch.float32")
 
 
 def _after_step(optimizer, args, kwargs):

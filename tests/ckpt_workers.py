@@ -339,15 +339,25 @@ def yashard_load_continue(rank, world, root: str) -> dict:
 
 def save_misuse(rank, world, root: str, what: str) -> str | None:
     """save_checkpoint with per-rank ``extra`` ("extra") or with each rank's path on its own disk
-    ("unshared": rank r writes under root/r, as on node-local disks); the error every rank raises."""
+    ("unshared": rank r writes under root/r, as on node-local disks) or with an optimizer whose scalar
+    state differs between ranks ("per_rank_scalar") or that has none for a unit on rank 1 alone
+    ("missing_state"); the error every rank raises."""
     import yashard.checkpoint as ck
 
     sm = yashard.shard(build("llama", seed=3))
     ck._VISIBLE_TIMEOUT = 0.5
     path = os.path.join(root, str(rank), "ck") if what == "unshared" else os.path.join(root, "ck")
     extra = {"step": 3, "loader_pos": 100 * rank + 7} if what == "extra" else {"step": 3}
+    opt = None
+    if what in ("per_rank_scalar", "missing_state"):  # a 0-d statistic of each rank's own shard / rank 1 lost a unit's
+        opt = (_PerRankScalar if what == "per_rank_scalar" else torch.optim.AdamW)(sm.parameters(), lr=1e-3)
+        ids = batches(1, 2 * world, 8, 96)[0].chunk(world)[rank]
+        sm(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        if what == "missing_state" and rank == 1:
+            del opt.state[sm.runtime.units[1].master]
     try:
-        yashard.save_checkpoint(path, sm, extra=extra)
+        yashard.save_checkpoint(path, sm, opt, extra=extra)
     except ck.CheckpointError as e:
         return str(e)
     return None

@@ -701,7 +701,7 @@ def test_error_damaged_bytes_and_a_file_from_another_save(saved):
     yashard.load_checkpoint(root, sm)  # restored: loads
 
 
-def test_error_per_rank_extra_and_an_unshared_path(tmp_path):
+def test_error_per_rank_extra_scalar_state_and_an_unshared_path(tmp_path):
     for msg in launch(save_misuse, 2, str(tmp_path / "x"), "extra"):
         assert msg.startswith("save_checkpoint: extra differs between rank 0 and rank 1 (keys ['loader_pos']), and the "
                               "checkpoint keeps one copy of it."), msg
@@ -710,6 +710,16 @@ def test_error_per_rank_extra_and_an_unshared_path(tmp_path):
     assert re.search(r"rank 1 cannot see .*/y/1/ck/save-\d+-[0-9a-f]+, which rank 0 created 0\.5 s ago: the checkpoint "
                      r"path must be on a file system every rank shares", msgs[1]), msgs[1]
     assert msgs[0].startswith("save_checkpoint failed on rank 1: CheckpointError: rank 1 cannot see"), msgs[0]
+    for msg in launch(save_misuse, 2, str(tmp_path / "z"), "per_rank_scalar"):
+        assert msg is not None and re.search(
+            r"optimizer scalar state of unit embed differs between ranks: rank 0 has \{'rms': .*\}, rank 1 "
+            r"has \{'rms': .*\}; the checkpoint stores one value for every rank, so a per-rank scalar", msg), msg
+    for msg in launch(save_misuse, 2, str(tmp_path / "m"), "missing_state"):
+        assert msg is not None and re.search(
+            r"optimizer state of unit \S+ differs between ranks: rank 0 has \{'exp_avg': 'float32', .*\}, rank 1 has "
+            r"None; every rank must have stepped the same parameters", msg), msg
+    for sub in "xzm":  # refused before anything was written: rank 0 removed the save directory it had created
+        assert not list((tmp_path / sub).glob("ck/save-*")), sub
 
 
 class _Trap:

@@ -31,7 +31,7 @@ the names ``tied`` to it, and its ``pieces``: file, ``lo``, ``hi``, the tensor k
 leaves the model's buffers as they are);
 ``optimizer`` (``null`` or: class, module, ``param_groups`` as unit names plus every
 hyperparameter but ``params``, and per unit the sharded state keys with their dtypes and the
-replicated scalars, e.g. AdamW's ``step``, taken from rank 0); and the user's ``extra``.
+replicated scalars, e.g. AdamW's ``step``, checked equal on every rank and taken from rank 0); and the user's ``extra``.
 Each shard file's safetensors metadata names the save that wrote it (``save``), so a file copied in
 from another save is refused. Non-JSON values (0-d tensors, tuples) are stored as tagged objects (``{"__tensor__": dtype,
 "value": x}``, ``{"__tuple__": [...]}``). Nothing is ever pickled; a pickle or ``torch.save``
@@ -474,12 +474,6 @@ def _build_index(rt: "Runtime", metas: list[dict], opt_meta: dict | None, extra:
             raise CheckpointError(f"internal error: the saved pieces of {name} do not tile it: {problem}")
     optimizer = None
     if opt_meta is not None:
-        for meta in metas[1:]:
-            if meta["sharded"] != metas[0]["sharded"]:
-                raise CheckpointError(
-                    f"optimizer state differs between ranks: shard rank 0 has {metas[0]['sharded']}, shard rank "
-                    f"{meta['shard_rank']} has {meta['sharded']}; every rank must have stepped the same parameters"
-                )
         optimizer = {k: opt_meta[k] for k in ("class", "module", "param_groups")}
         optimizer["state"] = {unit: {"sharded": metas[0]["sharded"].get(unit, {}), "scalars": metas[0]["scalars"].get(unit, {})}
                               for unit in opt_meta["state"]}
@@ -525,7 +519,7 @@ def _cleanup(root: Path, keep: str) -> None:
 
 def _check_same_extra(got: list) -> None:
     """``extra`` is stored once: refuse a save whose ranks passed different values."""
-    texts = [json.dumps(x, sort_keys=True) for _, x in got]
+    texts = [json.dumps(x, sort_keys=True) for _, x, _ in got]
     r = next((i for i, t in enumerate(texts) if t != texts[0]), None)
     if r is None:
         return
@@ -537,6 +531,30 @@ def _check_same_extra(got: list) -> None:
         "every rank; per-rank state (RNG states, data-loader positions) can go in as a list of every rank's value "
         "(torch.distributed.all_gather_object), indexed by rank after load_checkpoint"
     )
+
+
+def _check_same_optimizer_state(got: list) -> None:
+    """Every rank must hold state for the same units, with the same tensor keys and dtypes, and the
+    same scalar values (one copy of them is stored): refuse, before anything is written, naming the
+    first unit that differs."""
+    first = got[0][2] or {}
+    for r, (_, _, state) in enumerate(got[1:], 1):
+        state = state or {}
+        for unit in sorted(set(first) | set(state), key=str):
+            a, b = first.get(unit), state.get(unit)
+            if a == b:
+                continue
+            if a is None or b is None or a["sharded"] != b["sharded"]:
+                raise CheckpointError(
+                    f"optimizer state of unit {unit} differs between ranks: rank 0 has "
+                    f"{a and a['sharded']}, rank {r} has {b and b['sharded']}; every rank must have stepped the "
+                    "same parameters"
+                )
+            raise CheckpointError(
+                f"optimizer scalar state of unit {unit} differs between ranks: rank 0 has {a['scalars']}, rank {r} "
+                f"has {b['scalars']}; the checkpoint stores one value for every rank, so a per-rank scalar (an "
+                "optimizer that keeps one) cannot be saved"
+            )
 
 
 _VISIBLE_TIMEOUT = 10.0  # seconds a writer waits to see the save directory rank 0 created
@@ -582,10 +600,17 @@ def save_checkpoint(path: str | os.PathLike, model, optimizer: torch.optim.Optim
             name = _prepare_root(root)
     except Exception as e:  # noqa: BLE001 - shared with every rank by _agree
         err = e
-    got = _agree(comm, "save_checkpoint", err, (name, extra))
+    got = _agree(comm, "save_checkpoint", err, (name, extra, opt_meta and opt_meta["state"]))
     name = got[0][0]
     save_dir = root / name
-    _check_same_extra(got)
+    try:
+        _check_same_extra(got)
+        _check_same_optimizer_state(got)
+    except CheckpointError:
+        if comm.rank == 0:  # nothing was written into it yet
+            with contextlib.suppress(OSError):
+                save_dir.rmdir()
+        raise
 
     err, meta = None, None
     try:

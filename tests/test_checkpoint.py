@@ -867,6 +867,29 @@ def test_export_failure_keeps_the_previous_export(pg, tmp_path, monkeypatch):
     assert sorted(os.listdir(tmp_path)) == ["hf"]
 
 
+def test_an_export_killed_between_the_fallback_renames_is_recovered_by_the_next(pg, tmp_path, monkeypatch, caplog):
+    """Where the directories cannot be exchanged (NFS), publishing is two renames; killed between them,
+    ``path`` is missing and both complete folders sit beside it. The next export puts the previous one
+    back first, so a failure of that export too still leaves a complete folder at ``path``."""
+    sm, _ = _trained(steps=1)
+    yashard.export_hf(sm, tmp_path / "hf")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()}
+    shutil.copytree(tmp_path / "hf", tmp_path / ".hf.yashard-tmp-0000aaaa")   # the complete new folder
+    os.rename(tmp_path / "hf", tmp_path / ".hf.yashard-old-0000bbbb")          # the first rename, then killed
+    import yashard.hf_export as hx
+
+    def failing(self, key, t):
+        raise OSError("disk full (simulated)")
+
+    monkeypatch.setattr(hx.StreamedSafetensors, "write", failing)
+    with caplog.at_level("WARNING", logger="yashard"), pytest.raises(OSError, match=r"disk full \(simulated\)"):
+        yashard.export_hf(sm, tmp_path / "hf")
+    assert any(f"{tmp_path / 'hf'} was missing and .hf.yashard-old-0000bbbb held the previous export" in r.getMessage()
+               for r in caplog.records), caplog.text
+    assert {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()} == before
+    assert sorted(os.listdir(tmp_path)) == ["hf"]
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")   # no_dist=True says so
 def test_persistent_buffers_travel_with_the_weights(tmp_path):
     """What state_dict() holds besides parameters (DeepSeek-V3's router biases, set as a training

@@ -28,14 +28,16 @@ and the directory, then publishes it in one step: ``rename`` when ``path`` does 
 exist, else an atomic exchange of the two directories (Linux ``renameat2(RENAME_EXCHANGE)``) after
 which the old export is deleted. Where the exchange is unsupported (non-Linux, NFS) it falls back to
 two renames (old aside to ``.<name>.yashard-old-<random>``, new in): a crash between them leaves
-``path`` missing but both complete folders on disk, never a partial folder at ``path``. Leftover
-temporary siblings of killed exports are removed by the next export to the same path.
+``path`` missing but both complete folders on disk, never a partial folder at ``path``; the next
+export to the same path first moves the previous folder back (with a warning), so a crash of that
+export leaves it in place. Leftover temporary siblings of killed exports are then removed.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import re
 import secrets
@@ -46,6 +48,8 @@ import torch
 
 from ._io import StreamedSafetensors, exchange_dirs, fsync_dir, fsync_file
 from .checkpoint import CheckpointError, _agree, _runtime, persistent_buffers
+
+logger = logging.getLogger("yashard")
 
 WEIGHTS_INDEX = "model.safetensors.index.json"
 WEIGHTS_SINGLE = "model.safetensors"
@@ -120,8 +124,16 @@ def _prepare(dest: Path) -> Path:
         )
     parent = dest.parent
     parent.mkdir(parents=True, exist_ok=True)
+    old_prefix, tmp_prefix = f".{dest.name}.yashard-old-", f".{dest.name}.yashard-tmp-"
+    olds = [parent / n for n in os.listdir(parent) if n.startswith(old_prefix)]
+    if olds and not dest.exists():  # killed between the fallback's two renames: put the previous export back
+        back = max(olds, key=lambda p: p.stat().st_mtime)
+        os.rename(back, dest)
+        fsync_dir(parent)
+        logger.warning("export_hf: %s was missing and %s held the previous export (an export was killed while "
+                       "publishing); moved it back before this export", dest, back.name)
     for name in os.listdir(parent):
-        if name.startswith((f".{dest.name}.yashard-tmp-", f".{dest.name}.yashard-old-")):
+        if name.startswith((tmp_prefix, old_prefix)):
             shutil.rmtree(parent / name, ignore_errors=True)
     tmp = parent / f".{dest.name}.yashard-tmp-{secrets.token_hex(4)}"
     tmp.mkdir()

@@ -306,12 +306,14 @@ def scaler_steps(rank, world, kind, fused, poison_steps=(0,), steps=2, dtype=tor
     return out
 
 
-def backward_raises_then_training_goes_on(rank, world, set_to_none, accum):
+def backward_raises_then_training_goes_on(rank, world, set_to_none, accum, how="backward_hook"):
     """The "skip the batch that ran out of memory" pattern: after step 0, step 1's last micro-batch's
     backward raises on every rank (in layer 2's backward, after the layers above it reduced; earlier
     micro-batches' gradients are already in .grad), the loop catches it, calls
     ``zero_grad(set_to_none)`` (None: does not) and goes on. Steps 2-3 must then match a run that
-    never saw step 1 (losses, final weights)."""
+    never saw step 1 (losses, final weights); also the error the backward raised. ``how`` raises it: a backward hook on layer 2
+    ("backward_hook"), or a comm hook's future that fails, for layer 2 ("future": raised while the next
+    layer reduces) or for the norm group ("future_last": raised when the backward ends)."""
     def run(fail):
         sm, opt = _setup()
         boom = {"on": False}
@@ -321,7 +323,18 @@ def backward_raises_then_training_goes_on(rank, world, set_to_none, accum):
                 boom["on"] = False
                 raise RuntimeError("simulated out of memory")
 
-        sm.module.model.layers[2].register_full_backward_hook(raise_once)
+        def my_hook(state, bucket):
+            if boom["on"] and bucket.name == ("small" if how == "future_last" else "layer_2"):
+                boom["on"] = False
+                failed = torch.futures.Future()
+                failed.set_exception(RuntimeError("simulated out of memory"))
+                return failed
+            return yashard.comm_hooks.reduce_scatter_hook(state, bucket)
+
+        if how == "backward_hook":
+            sm.module.model.layers[2].register_full_backward_hook(raise_once)
+        else:
+            sm.register_comm_hook(None, my_hook)
         micro = [lambda: None] * accum
         losses = [_step(sm, opt, rank, world, 0, before_micro=micro)]
         if fail:  # step 1: every micro-batch but the last goes through, the last one's backward raises
@@ -334,13 +347,15 @@ def backward_raises_then_training_goes_on(rank, world, set_to_none, accum):
                 raise AssertionError("the backward did not raise")
             except RuntimeError as e:
                 assert "simulated out of memory" in str(e), e
+                errors.append(str(e))
             if set_to_none is not None:
                 opt.zero_grad(set_to_none=set_to_none)
         losses += [_step(sm, opt, rank, world, s, before_micro=micro) for s in (2, 3)]
         return losses, sm.full_state_dict()
 
+    errors = []
     (la, wa), (lb, wb) = run(True), run(False)
-    return la == lb and all(torch.equal(wa[k], wb[k]) for k in wb), la, lb
+    return la == lb and all(torch.equal(wa[k], wb[k]) for k in wb), la, lb, errors
 
 
 def torch_clip_on_masters(rank, world):

@@ -204,8 +204,24 @@ def test_a_backward_that_raises_leaves_training_able_to_go_on(set_to_none, accum
     """A raising backward drops autograd's final callback; the next forward resets the runtime and
     zeroes what the failed backward reached, so the run goes on exactly as if the failed batch had
     never been seen, with either zero_grad or none (None)."""
-    for same, la, lb in run_distributed(backward_raises_then_training_goes_on, 2, set_to_none, accum):
+    for same, la, lb, _ in run_distributed(backward_raises_then_training_goes_on, 2, set_to_none, accum):
         assert same, (la, lb)
+
+
+@pytest.mark.parametrize("how", ["future", "future_last"])
+def test_a_comm_hook_future_that_fails_costs_one_step(how):
+    """A comm hook whose future fails once (raised while the next layer reduces, or at the end of the
+    backward for the last bucket) fails that backward alone: the next forward throws its other
+    reductions away and the run goes on as if the batch had never been seen (before, every later
+    backward raised the first error again)."""
+    unit = "small" if how == "future_last" else "layer_2"
+    for rank, (same, la, lb, errors) in enumerate(run_distributed(backward_raises_then_training_goes_on, 2, True, 1, how)):
+        assert same, (la, lb)
+        assert errors == [  # the advice points at the hook, not at a dead peer
+            f"yashard: gradient reduction (my_hook) of {unit} (backward of forward #2) on rank {rank} of 2 failed: "
+            "simulated out of memory. The comm hook my_hook (register_comm_hook) raised this, or returned a future "
+            "that did: look there first. If it came from a collective the hook issued, a peer rank died, stalled, "
+            "or issued a different sequence of collectives: look for the first error on the other ranks"], errors
 
 
 def test_torch_clip_grad_norm_on_a_sharded_model_clips_by_the_global_norm():

@@ -101,17 +101,18 @@ def wait_work(work, what, timeout: float | None, where: tuple[int, int] | None =
 
 def collective_failure(what, e: BaseException, where: tuple[int, int] | None) -> CollectiveError:
     """The :class:`CollectiveError` for collective ``what`` (op, unit, phase) that failed with ``e``
-    on rank ``where`` = (rank, world size), at its issue or its wait."""
+    on rank ``where`` = (rank, world size), at its issue or its wait. ``what.hint``, where set (a
+    user's comm hook reduced it), replaces the advice about peers."""
     cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     at = f" on rank {where[0]} of {where[1]}" if where is not None else ""
-    return CollectiveError(
-        f"yashard: {what}{at} failed: {cause}. A peer rank died, stalled, or issued a different sequence of "
+    advice = getattr(what, "hint", None) or (
+        "A peer rank died, stalled, or issued a different sequence of "
         "collectives (a rank that ran more or fewer forward passes or layers). Look for the first error "
         "on the other ranks and compare the collective, layer and phase each rank names here (a rank that "
         "waits in another phase, e.g. another forward, ran a different number of micro-batches); "
         "ShardConfig(debug_collectives=True) finds a divergence that does not hang, at the next optimizer "
-        "step; ShardConfig(collective_timeout=...) bounds the wait"
-    )
+        "step; ShardConfig(collective_timeout=...) bounds the wait")
+    return CollectiveError(f"yashard: {what}{at} failed: {cause}. {advice}")
 
 
 class _Issuing:

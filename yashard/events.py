@@ -161,10 +161,12 @@ class Pending:
     Contract: :meth:`wait` makes the current (compute) stream wait until the collective and its
     ``on_done`` have finished; it is idempotent, and ``on_done`` runs exactly once. On devices with
     real streams the follow-up is enqueued right away (the host never blocks); on CPU it runs at the
-    first :meth:`wait` (the host blocks there, and only there).
+    first :meth:`wait` (the host blocks there, and only there). If waiting or ``on_done`` raises,
+    the collective is over for good: ``failed`` holds the error, and every later :meth:`wait` or
+    :meth:`finish` raises it again at once (never waits a second time).
     """
 
-    __slots__ = ("_work", "_on_done", "_waiter", "_streams", "_event", "done")
+    __slots__ = ("_work", "_on_done", "_waiter", "_streams", "_event", "done", "failed")
 
     def __init__(self, streams: Streams, work, on_done: Callable[[object], None] | None = None,
                  waiter: Callable[[object], object] | None = None):
@@ -174,21 +176,29 @@ class Pending:
         self._waiter = waiter
         self._event = None
         self.done = False
+        self.failed: BaseException | None = None
         if streams.eager_finish:
             self._finish()
 
     def _finish(self) -> None:
-        with self._streams.comm_context():
-            result = self._work.wait() if self._waiter is None else self._waiter(self._work)
-            if self._on_done is not None:
-                self._on_done(result)
-            self._event = self._streams.record(self._streams.comm)
-        self.done = True
-        self._work = self._on_done = self._waiter = None
+        try:
+            with self._streams.comm_context():
+                result = self._work.wait() if self._waiter is None else self._waiter(self._work)
+                if self._on_done is not None:
+                    self._on_done(result)
+                self._event = self._streams.record(self._streams.comm)
+        except BaseException as e:
+            self.failed = e
+            raise
+        finally:
+            self.done = True
+            self._work = self._on_done = self._waiter = None
 
     def finish(self) -> None:
         """Complete the collective and its ``on_done`` on the communication stream, without
         making the compute stream wait (on CUDA this already happened at construction)."""
+        if self.failed is not None:
+            raise self.failed
         if not self.done:
             with labelled("yashard::wait_collective"):
                 self._finish()

@@ -81,6 +81,7 @@ class Runtime:
         self.comm_hook = reduce_scatter_hook   # how each unit's gradients are reduced (comm_hooks.py)
         self.comm_hook_state = None
         self._reduction_op = f"gradient reduction ({reduce_scatter_hook.__name__})"  # (named in collective errors)
+        self._hook_hint: str | None = None  # what a reduction's error advises, for a user's comm hook
         self._workspaces: dict[str, torch.Tensor] = {}   # comm hooks' persistent scratch buffers
         self._hook_planned = False  # the comm hook's workspace_plan was allocated (more is warned about)
         self._hook_registered = False  # register_comm_hook was called (once only)
@@ -935,7 +936,7 @@ class Runtime:
                             unit.flat_grads(), self._reduce_output, self._workspace, n)
         self._bucket_index += 1
         label = "yashard::norm_group_reduce_scatter" if unit.kind == "small" else "yashard::reduce_scatter"
-        what = _What(self._reduction_op, unit.name, self._phase_state())
+        what = _What(self._reduction_op, unit.name, self._phase_state(), self._hook_hint)
         with torch.no_grad(), self.streams.comm_context(), labelled(label), self.comm.issuing(what):
             self.streams.comm.wait_event(ready)
             work = self.comm_hook(self.comm_hook_state, bucket)
@@ -1014,9 +1015,14 @@ class Runtime:
                     u.unreduced_version = u.grad_storage._version
                 if u.views_until == "backward":
                     u.remove_views()
-        finally:
-            self.in_backward = False
+        except BaseException:
+            # (a reduction that failed, say a comm hook's future: in_backward stays set, so the step
+            # refuses these incomplete gradients and the next forward recovers, as after any backward
+            # that raised)
             self.backward_pending = False
+            raise
+        self.in_backward = False
+        self.backward_pending = False
 
     def _recover_from_failed_backward(self) -> None:
         """Run by the next forward when a backward raised (autograd then drops its final callback,
@@ -1067,9 +1073,17 @@ class Runtime:
             for u in self.units:
                 if u.gathered is not None and not u.gathered.done:
                     u.gathered.wait()
-            for p in self.pending:
-                p.wait()
-        self.pending.clear()
+            while self.pending:
+                p = self.pending.pop(0)  # (off the list first: a failed reduction is not waited for twice)
+                if self._discard_reductions and p.failed is not None:
+                    continue  # (its error is the one the backward raised)
+                try:
+                    p.wait()
+                except BaseException as e:
+                    if not self._discard_reductions:
+                        raise  # (the backward raises: the next forward recovers, waiting for the rest)
+                    logger.warning("yashard: a reduction of the backward that raised failed too, and is "
+                                   "thrown away: %s", str(e).splitlines()[0] if str(e) else type(e).__name__)
         self._last_reduction = None
         for slot in self.slots.values():
             slot.grad_busy = None
@@ -1198,7 +1212,14 @@ class Runtime:
         if self.direct_grads:  # a hook reduces from the gradient slots: give them their buffers
             self._allocate_grad_slots()
         self.comm_hook, self.comm_hook_state = hook, state
-        self._reduction_op = f"gradient reduction ({getattr(hook, '__name__', 'comm hook')})"
+        name = getattr(hook, "__name__", "comm hook")
+        self._reduction_op = f"gradient reduction ({name})"
+        if not (getattr(hook, "__module__", None) or "").startswith("yashard."):  # the user's own hook
+            self._hook_hint = (
+                f"The comm hook {name} (register_comm_hook) raised this, or returned a future that did: look "
+                "there first. If it came from a collective the hook issued, a peer rank died, stalled, or issued "
+                "a different sequence of collectives: look for the first error on the other ranks"
+            )
         self._hook_registered = True
         self._workspaces.clear()  # the default hook's buffers; the new hook asks for its own
         self._plan_hook_workspaces()
@@ -1395,12 +1416,13 @@ _CACHE_KWARGS = ("past_key_values", "past_key_value", "cache", "layer_past")
 
 
 class _What:
-    """Names a collective for error messages, formatted only when one is raised."""
+    """Names a collective for error messages, formatted only when one is raised; ``hint`` (if set)
+    replaces the usual advice (see :func:`yashard.collectives.collective_failure`)."""
 
-    __slots__ = ("op", "unit", "state")
+    __slots__ = ("op", "unit", "state", "hint")
 
-    def __init__(self, op: str, unit: str, state: tuple[bool, bool, int]):
-        self.op, self.unit, self.state = op, unit, state
+    def __init__(self, op: str, unit: str, state: tuple[bool, bool, int], hint: str | None = None):
+        self.op, self.unit, self.state, self.hint = op, unit, state, hint
 
     def __str__(self) -> str:
         in_backward, grad, fwd = self.state

@@ -600,3 +600,80 @@ def fp16_scaler_misuse(rank, world, fused, dtype=torch.float16, kind="plain", au
     finally:
         logging.getLogger("yashard").removeHandler(handler)
     return error, [r.getMessage() for r in records if r.levelno >= logging.WARNING]
+
+
+def gradients_of_inputs_only(rank, world):
+    """torch.autograd.grad(loss, inputs_embeds) and loss.backward(inputs=[inputs_embeds]) through a
+    sharded model: the input gradient equals the unsharded model's, and no parameter's .grad
+    changes (torch's rule), so a step after them moves nothing; with retain_graph=True, a
+    loss.backward() afterwards gives exactly the gradients of a plain backward."""
+    import copy
+
+    ref = build(num_hidden_layers=3)
+    twin = yashard.shard(copy.deepcopy(ref))
+    sm = yashard.shard(copy.deepcopy(ref))
+    ids = batches(1, 2 * world, 8, 96)[0].chunk(world)[rank]
+    out = {}
+
+    def embeds(model):
+        return model.get_input_embeddings()(ids).detach().requires_grad_()
+
+    e = embeds(ref)
+    want, = torch.autograd.grad(ref(inputs_embeds=e, labels=ids).loss, e)
+    before = sm.full_state_dict()
+    opt = torch.optim.AdamW(sm.param_groups(0.1), lr=1e-2)
+    for how in ("grad", "inputs"):
+        e = embeds(sm)
+        loss = sm(inputs_embeds=e, labels=ids).loss
+        if how == "grad":
+            got, = torch.autograd.grad(loss, e)
+        else:
+            loss.backward(inputs=[e])
+            got = e.grad
+        out[how] = ((got - want).abs().max().item(), [p.grad is None for p in sm.parameters()])
+    opt.step()
+    out["moved"] = [k for k, v in sm.full_state_dict().items() if not torch.equal(v, before[k])]
+    e = embeds(sm)
+    loss = sm(inputs_embeds=e, labels=ids).loss
+    torch.autograd.grad(loss, e, retain_graph=True)
+    loss.backward()
+    e2 = embeds(twin)
+    twin(inputs_embeds=e2, labels=ids).loss.backward()
+    a, b = sm.full_grads(), twin.full_grads()
+    out["then_backward"] = all(torch.equal(a[k], b[k]) for k in b)
+    return out
+
+
+def penalty_on_the_shards(rank, world):
+    """An L2 penalty summed over model.parameters() (this rank's shards: the sum over ranks is the
+    full penalty) added to the loss before or after it, with zero_grad(set_to_none=True): the
+    gradients equal the unsharded model's (its loss averaged over the ranks' halves plus the
+    penalty) in both orders, for two steps."""
+    import copy
+
+    lam = 0.05
+    ref = build(num_hidden_layers=3)
+    data = batches(2, 2 * world, 8, 96)
+    worst = {}
+    for first in (False, True):
+        sm = yashard.shard(copy.deepcopy(ref))
+        opt = torch.optim.SGD(sm.parameters(), lr=0.1)
+        r = copy.deepcopy(ref)
+        ropt = torch.optim.SGD(r.parameters(), lr=0.1)
+        errs = []
+        for step in range(2):
+            ids = data[step].chunk(world)[rank]
+            pen = lam * sum(p.pow(2).sum() for p in sm.parameters())
+            loss = sm(input_ids=ids, labels=ids).loss
+            (pen + loss if first else loss + pen).backward()
+            full = sm.full_grads()
+            rloss = sum(r(input_ids=h, labels=h).loss for h in data[step].chunk(world)) / world
+            (rloss + lam * sum(p.pow(2).sum() for p in r.parameters())).backward()
+            errs.append(max(((full[n] - p.grad).abs().max() / p.grad.abs().max()).item()
+                            for n, p in r.named_parameters()))
+            opt.step()
+            opt.zero_grad()
+            ropt.step()
+            ropt.zero_grad()
+        worst[first] = max(errs)
+    return worst

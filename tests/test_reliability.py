@@ -13,7 +13,7 @@ import torch
 import yashard
 
 from harness import run_distributed, run_until_exit
-from reliability_workers import (backward_raises_then_training_goes_on, inputs_embeds_from_the_input_embedding, ranks_build_different_models, generate_uneven_lengths, torch_clip_on_masters, scaler_floor, default_backend_step, die_or_stall, fp16_nonfinite_without_scaler, fp16_scaler_misuse,
+from reliability_workers import (backward_raises_then_training_goes_on, gradients_of_inputs_only, penalty_on_the_shards, inputs_embeds_from_the_input_embedding, ranks_build_different_models, generate_uneven_lengths, torch_clip_on_masters, scaler_floor, default_backend_step, die_or_stall, fp16_nonfinite_without_scaler, fp16_scaler_misuse,
                                  guard_run, lm_head_too_early, nonfinite, nonfinite_skip_then_train,
                                  optimizer_before_shard, prefetch_after_step, reads_between_step_and_forward, scaler_lifetime, scaler_steps, uneven_layers,
                                  uneven_micro_batches)
@@ -353,3 +353,26 @@ def test_torch_amp_grad_scaler_is_refused_on_every_rank():
     for error, warnings in run_distributed(fp16_scaler_misuse, 2, False, torch.float32, "sharded", None, True,
                                            fp16_wire):
         assert (error, warnings) == (None, [])
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_gradients_of_the_inputs_alone_leave_every_parameter_gradient_alone(world):
+    """torch.autograd.grad / backward(inputs=...) through the model (adversarial embedding
+    perturbation, saliency) gather the weights the backward needs and write and reduce nothing:
+    before, they reduced every layer's gradient into the shards (a later step trained on it, a
+    later backward doubled it)."""
+    for out in run_distributed(gradients_of_inputs_only, world):
+        for how in ("grad", "inputs"):
+            err, none = out[how]
+            assert err < 1e-6 and all(none), (how, out[how])
+        assert out["moved"] == [] and out["then_backward"], out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_penalty_on_the_shards_counts_in_either_order(world):
+    """A loss term on model.parameters() themselves accumulates into the shards' .grad through
+    autograd, whenever the graph runs it: before, written after the unit's gradient was attached
+    and before its first reduction, it was overwritten (the embedding and the norm group lost it)."""
+    for worst in run_distributed(penalty_on_the_shards, world):
+        assert worst[False] < 1e-5 and worst[True] < 1e-5, worst
+

@@ -59,3 +59,13 @@ class BackwardEntry(torch.autograd.Function):
         if unit is not None:
             unit.on_backward_start(ctx.fwd_id, ctx.views)
         return (None, None, None, *grads)
+
+
+def will_accumulate(leaf: torch.Tensor) -> bool:
+    """Inside a backward pass: whether the engine will accumulate a gradient into ``leaf`` (a tensor
+    that requires grad) in this pass. True for ``loss.backward()`` when ``leaf`` is in the graph;
+    False when it is not, and for ``torch.autograd.grad(...)`` and ``backward(inputs=...)`` that do
+    not name it (those leave every other leaf's ``.grad`` untouched)."""
+    node = torch.autograd.graph.get_gradient_edge(leaf).node
+    return bool(torch._C._will_engine_execute_node(node))
+

@@ -29,7 +29,7 @@ from .comm_hooks import GradBucket, reduce_scatter_hook
 from .config import ShardConfig, _dtype_name
 from ._tree import diff_leaves, is_diff_tensor, put_back
 from .events import IN_PLACE, Completed, Pending, Streams, labelled
-from .gate_grad_flow import BackwardEntry, GateGradFlow
+from .gate_grad_flow import BackwardEntry, GateGradFlow, will_accumulate
 from .layout import build_layout, slot_assignment
 from .memory import MemoryPlan, plan_memory
 from .norm_group import NormGroup, is_small_param
@@ -76,6 +76,7 @@ class Runtime:
         self._discard_reductions = False
         self._root_active = False  # between the model's forward pre-hook and its forward hook
         self.backward_pending = False  # a grad-enabled forward ran and its backward has not ended
+        self.accumulating = True  # this backward accumulates into .grad (not autograd.grad: begin_backward)
         self.pending: list[Pending] = []
         self._last_reduction: Pending | None = None  # R6: the reduction writing reduce_out
         self.comm_hook = reduce_scatter_hook   # how each unit's gradients are reduced (comm_hooks.py)
@@ -836,19 +837,36 @@ class Runtime:
         self.in_backward = True
         self._bucket_index = 0
         self._bwd_last_layer = None
-        fresh = self.stepped_since_backward  # (not at the step itself: a second optimizer of this model
-        self.stepped_since_backward = False  # checks the same flags, see guards.step_checks)
         for u in self.units:
             u.reduced_in_pass = False
-            if fresh and any(u.got_grad):
-                u.got_grad = [False] * len(u.got_grad)
-            # A gradient zero_grad(set_to_none=True) dropped is attached unwritten: the unit's first
-            # reduction writes it (no zero-fill pass), and _end_backward zeroes any that none wrote.
-            # (a shard turned off since its forward gets no .grad, as torch leaves such a parameter's)
-            if u.master.grad is None and u.grad_storage is not None and u.master.requires_grad:
-                u.master.grad = u.grad_storage
-                u.grad_unwritten = True
-        self._forget_dropped_unreduced()
+        # torch.autograd.grad(loss, inputs) and backward(inputs=...) leave every parameter's .grad as
+        # it is: such a pass only carries gradients through the units (their weights are gathered,
+        # nothing is written or reduced). Every unit trained by this forward has its token in the
+        # graph; the engine runs their AccumulateGrad nodes exactly when it accumulates into leaves.
+        self.accumulating = any(will_accumulate(u.token) for u in self.units
+                                if u.fwd_trains and u.fwd_id == self.grad_fwd_id)
+        if self.accumulating:
+            fresh = self.stepped_since_backward  # (not at the step itself: a second optimizer of this
+            self.stepped_since_backward = False  # model checks the same flags, see guards.step_checks)
+            for u in self.units:
+                if fresh and any(u.got_grad):
+                    u.got_grad = [False] * len(u.got_grad)
+                if fresh:
+                    u.attached_from_none = False
+                # A gradient zero_grad(set_to_none=True) dropped is attached unwritten: the unit's first
+                # reduction writes it (no zero-fill pass), and _end_backward zeroes any that none wrote.
+                # A master the loss reads itself (a penalty on model.parameters()) gets its own gradient
+                # from autograd in this pass, at a moment the graph decides: it is attached zeroed, so
+                # autograd and the reductions both add to it. (A shard turned off since its forward gets
+                # no .grad, as torch leaves such a parameter's.)
+                if u.master.grad is None and u.grad_storage is not None and u.master.requires_grad:
+                    u.master.grad = u.grad_storage
+                    u.attached_from_none = True
+                    if will_accumulate(u.master):
+                        u.grad_storage.zero_()
+                    else:
+                        u.grad_unwritten = True
+            self._forget_dropped_unreduced()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def on_unit_backward_start(self, unit: Unit, fwd_id: int, views: list | None = None) -> None:
@@ -907,7 +925,7 @@ class Runtime:
         A unit frozen in its forward has none: its backward (gradients for its inputs) is over, so
         only its weights are released."""
         self.begin_backward()
-        if not unit.fwd_trains:
+        if not unit.fwd_trains or not self.accumulating:
             if unit.kind != "small":
                 self._release(unit.slot)
             unit.reduced_in_pass = True

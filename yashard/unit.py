@@ -127,6 +127,9 @@ class Unit:
         # Per entry: did this rank's backwards give it a gradient since the last optimizer step
         # (the step's checks tell a parameter no rank's loss reached: see guards.step_checks).
         self.got_grad = [False] * len(layout.entries)
+        # Since the last optimizer step, a backward attached grad_storage as .grad where it was None
+        # (a shard no rank's backward reached goes back to None at the step: guards.step_checks).
+        self.attached_from_none = False
         self.reduced_in_pass = False
         # no_sync(): the grad slot holds this unit's gradients of earlier backwards, not yet reduced
         # (only with reshard_after_forward=False, where the slot is the unit's alone; over one rank
@@ -226,6 +229,8 @@ class Unit:
         rank, :func:`~yashard.runtime.direct_grads`: add it to ``master.grad``)."""
         rt = self.rt
         rt.begin_backward()
+        if not rt.accumulating:  # torch.autograd.grad / backward(inputs=...): no parameter's .grad changes
+            return
         if not self.grad_claimed:
             rt.claim_grad_slot(self)
         if grad.requires_grad:

@@ -677,3 +677,33 @@ def penalty_on_the_shards(rank, world):
             ropt.zero_grad()
         worst[first] = max(errs)
     return worst
+
+
+def unreached_layers_are_skipped(rank, world, on_nonfinite="raise"):
+    """Step 0 trains everything; step 1's loss reads hidden_states[2] only, so layer 2 and lm_head ran
+    forward with grad but no rank's backward reaches them. AdamW with weight decay: torch skips
+    their parameters (.grad None), and so must the sharded run. Per parameter, the relative
+    difference to the unsharded model (its loss averaged over the ranks' halves) after step 1."""
+    import copy
+
+    ref = build(num_hidden_layers=3)
+    sm = yashard.shard(copy.deepcopy(ref), config=yashard.ShardConfig(on_nonfinite=on_nonfinite))
+    data = batches(2, 2 * world, 8, 96)
+
+    def loss_of(model, ids, step):
+        out = model(input_ids=ids, labels=ids, output_hidden_states=step == 1)
+        return out.loss if step == 0 else out.hidden_states[2].pow(2).mean()
+
+    opt = torch.optim.AdamW(sm.param_groups(0.1), lr=1e-2)
+    decay = [p for n, p in ref.named_parameters() if p.dim() >= 2]
+    ropt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                              {"params": [p for p in ref.parameters() if p.dim() < 2], "weight_decay": 0.0}], lr=1e-2)
+    for step in range(2):
+        loss_of(sm, data[step].chunk(world)[rank], step).backward()
+        (sum(loss_of(ref, h, step) for h in data[step].chunk(world)) / world).backward()
+        opt.step()
+        opt.zero_grad()
+        ropt.step()
+        ropt.zero_grad()
+    full = sm.full_state_dict()
+    return {n: ((full[n] - p).norm() / p.norm()).item() for n, p in ref.named_parameters()}

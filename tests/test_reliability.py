@@ -13,7 +13,7 @@ import torch
 import yashard
 
 from harness import run_distributed, run_until_exit
-from reliability_workers import (backward_raises_then_training_goes_on, gradients_of_inputs_only, penalty_on_the_shards, inputs_embeds_from_the_input_embedding, ranks_build_different_models, generate_uneven_lengths, torch_clip_on_masters, scaler_floor, default_backend_step, die_or_stall, fp16_nonfinite_without_scaler, fp16_scaler_misuse,
+from reliability_workers import (backward_raises_then_training_goes_on, unreached_layers_are_skipped, gradients_of_inputs_only, penalty_on_the_shards, inputs_embeds_from_the_input_embedding, ranks_build_different_models, generate_uneven_lengths, torch_clip_on_masters, scaler_floor, default_backend_step, die_or_stall, fp16_nonfinite_without_scaler, fp16_scaler_misuse,
                                  guard_run, lm_head_too_early, nonfinite, nonfinite_skip_then_train,
                                  optimizer_before_shard, prefetch_after_step, reads_between_step_and_forward, scaler_lifetime, scaler_steps, uneven_layers,
                                  uneven_micro_batches)
@@ -375,4 +375,16 @@ def test_a_penalty_on_the_shards_counts_in_either_order(world):
     and before its first reduction, it was overwritten (the embedding and the norm group lost it)."""
     for worst in run_distributed(penalty_on_the_shards, world):
         assert worst[False] < 1e-5 and worst[True] < 1e-5, worst
+
+
+def test_layers_no_rank_backward_reached_are_skipped_by_the_optimizer():
+    """A layer and the head that ran forward with grad while the loss read an earlier hidden state:
+    every rank still reduces them (their collectives must match), and the step's check, finding
+    that no rank's backward reached them, puts .grad back to None, so AdamW skips them as torch
+    does (before, weight decay and momentum moved them). The norm group holds reached and
+    unreached norms in one shard: those are stepped with a zero gradient (documented, warned)."""
+    for rank, diff in enumerate(run_distributed(unreached_layers_are_skipped, 2)):
+        skipped = {n: d for n, d in diff.items() if ("layers.2." in n or n == "lm_head.weight") and "norm" not in n}
+        assert len(skipped) == 8 and max(skipped.values()) < 1e-6, skipped
+        assert max(d for n, d in diff.items() if "norm" not in n) < 1e-5, diff
 

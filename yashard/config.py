@@ -74,7 +74,8 @@ class ShardConfig:
             optimizer skips the step: every master gradient is set to None), or ``"ignore"``. The
             same all-gather names, once, every trainable parameter no rank's backward gave a
             gradient since the last step (the optimizer steps it with a zero gradient: weight decay
-            and momentum move it, where torch would skip it). The check costs one small all-gather
+            and momentum move it, where torch would skip it), and gives a shard none of whose
+            parameters got one its ``.grad = None`` back (skipped, as torch). The check costs one small all-gather
             per step, which the host waits for (on CUDA the host then stops queuing kernels ahead of
             the GPU once per step; ``"ignore"`` with ``debug_collectives=False`` removes the wait
             and these checks). While a :class:`yashard.ShardedGradScaler`

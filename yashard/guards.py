@@ -380,7 +380,9 @@ def step_checks(rt) -> None:
         if not (every[:, 2 * n + 1: 2 * n + 3] == every[0, 2 * n + 1: 2 * n + 3]).all():
             _raise_divergence(rt)
         log.reset_sequence()
-    _warn_no_gradient(rt, trainable, _unpack_bits(every[:, 2 * n + 3:], len(trainable)).any(dim=0))
+    got = _unpack_bits(every[:, 2 * n + 3:], len(trainable)).any(dim=0)
+    _drop_unreached(rt, trainable, got)
+    _warn_no_gradient(rt, trainable, got)
     if cfg.on_nonfinite == "ignore" or every[:, 2 * n].any() or not every[:, : 2 * n].any():
         return
     message = _nonfinite_message(rt, every[:, :n].bool(), every[:, n: 2 * n].bool())
@@ -417,6 +419,21 @@ def _trainable_entries(rt) -> list:
         rt.trainable_entries = [(u, i, fqns[0]) for u in rt.units if u.grad_storage is not None
                                 for i, (ok, fqns) in enumerate(zip(u.trainable, u.fqns)) if ok]
     return rt.trainable_entries
+
+
+def _drop_unreached(rt, trainable: list, got: torch.Tensor) -> None:
+    """A shard whose ``.grad`` a backward attached (it was None) while no rank's backward gave any of
+    its parameters a gradient goes back to ``.grad = None``, so the optimizer skips it as torch skips
+    parameters no gradient reached. (Its unit ran a grad-enabled forward whose outputs reached no
+    loss: the reduction every rank issues for it, so that their collectives match, summed zeros.)"""
+    if bool(got.all()):
+        return
+    reached: dict[int, bool] = {}
+    for (u, _, _), ok in zip(trainable, got.tolist()):
+        reached[id(u)] = reached.get(id(u), False) or ok
+    for u in rt.units:
+        if u.attached_from_none and not reached.get(id(u), True) and not u.unreduced and u.master.grad is not None:
+            u.master.grad = None
 
 
 def _warn_no_gradient(rt, trainable: list, got: torch.Tensor) -> None:

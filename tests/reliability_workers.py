@@ -707,3 +707,31 @@ def unreached_layers_are_skipped(rank, world, on_nonfinite="raise"):
         ropt.zero_grad()
     full = sm.full_state_dict()
     return {n: ((full[n] - p).norm() / p.norm()).item() for n, p in ref.named_parameters()}
+
+
+def clip_p_norms(rank, world):
+    """For p in 1, 3, 0.5, 2, inf: the sharded model's clip (method and torch's wrapped function)
+    against torch.nn.utils.clip_grad_norm_ on the full gradients; (relative error of the norm,
+    of the clipped gradients) per p."""
+    sm = yashard.shard(build(num_hidden_layers=3))
+    ids = batches(1, 2 * world, 8, 96)[0].chunk(world)[rank]
+    sm(input_ids=ids, labels=ids).loss.backward()
+    saved = [p.grad.clone() for p in sm.parameters()]
+    full = sm.full_grads()
+    out = {}
+    for p in (1.0, 3.0, 0.5, 2.0, float("inf")):
+        for how in ("method", "torch"):
+            with torch.no_grad():
+                for q, g in zip(sm.parameters(), saved):
+                    q.grad.copy_(g)
+            ref = {k: torch.zeros_like(v, requires_grad=True) for k, v in full.items()}
+            for k, v in ref.items():
+                v.grad = full[k].clone()
+            want = torch.nn.utils.clip_grad_norm_(list(ref.values()), 0.01, norm_type=p)
+            got = (sm.clip_grad_norm_(0.01, norm_type=p) if how == "method"
+                   else torch.nn.utils.clip_grad_norm_(sm.parameters(), 0.01, norm_type=p))
+            clipped = sm.full_grads()
+            out[(p, how)] = (abs(got.item() - want.item()) / want.item(),
+                             max(((clipped[k] - v.grad).abs().max() / v.grad.abs().max().clamp_min(1e-30)).item()
+                                 for k, v in ref.items()))
+    return out

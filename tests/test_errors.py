@@ -7,6 +7,7 @@ initialised, it runs in a fresh interpreter instead).
 """
 
 import contextlib
+import math
 import os
 import re
 import subprocess
@@ -269,11 +270,16 @@ def test_cpu_device_with_non_gloo_group(pg):
         yashard.shard(build(), config=yashard.ShardConfig(device="cpu"), process_group=group)
 
 
-def test_clip_grad_norm_unsupported_norm_type(pg):
+def test_clip_grad_norm_unsupported_norm_type_and_max_norm(pg):
     sm = yashard.shard(build())
     _loss(sm).backward()
-    with pytest.raises(ValueError, match=r"clip_grad_norm_ supports norm_type=2 or inf, got 1\.0"):
-        sm.clip_grad_norm_(1.0, norm_type=1)
+    for p in (0, -1, -math.inf, math.nan):
+        with pytest.raises(ValueError, match=rf"clip_grad_norm_ norm_type={float(p)}: use a p-norm with p > 0 \(2, 1, \.\.\.\) or inf"):
+            sm.clip_grad_norm_(1.0, norm_type=p)
+    for m in (math.nan, -1.0):  # torch's would scale every gradient by NaN (or flip their signs)
+        with pytest.raises(ValueError, match=rf"clip_grad_norm_ max_norm={m}: it must be a number >= 0"):
+            sm.clip_grad_norm_(m)
+    assert sm.clip_grad_norm_(math.inf).item() > 0   # inf: the norm alone, nothing clipped
 
 
 def test_gather_full_bad_what(pg):

@@ -13,7 +13,7 @@ import torch
 import yashard
 
 from harness import run_distributed, run_until_exit
-from reliability_workers import (backward_raises_then_training_goes_on, unreached_layers_are_skipped, gradients_of_inputs_only, penalty_on_the_shards, inputs_embeds_from_the_input_embedding, ranks_build_different_models, generate_uneven_lengths, torch_clip_on_masters, scaler_floor, default_backend_step, die_or_stall, fp16_nonfinite_without_scaler, fp16_scaler_misuse,
+from reliability_workers import (backward_raises_then_training_goes_on, clip_p_norms, unreached_layers_are_skipped, gradients_of_inputs_only, penalty_on_the_shards, inputs_embeds_from_the_input_embedding, ranks_build_different_models, generate_uneven_lengths, torch_clip_on_masters, scaler_floor, default_backend_step, die_or_stall, fp16_nonfinite_without_scaler, fp16_scaler_misuse,
                                  guard_run, lm_head_too_early, nonfinite, nonfinite_skip_then_train,
                                  optimizer_before_shard, prefetch_after_step, reads_between_step_and_forward, scaler_lifetime, scaler_steps, uneven_layers,
                                  uneven_micro_batches)
@@ -387,4 +387,13 @@ def test_layers_no_rank_backward_reached_are_skipped_by_the_optimizer():
         skipped = {n: d for n, d in diff.items() if ("layers.2." in n or n == "lm_head.weight") and "norm" not in n}
         assert len(skipped) == 8 and max(skipped.values()) < 1e-6, skipped
         assert max(d for n, d in diff.items() if "norm" not in n) < 1e-5, diff
+
+
+def test_clip_grad_norm_by_any_p_norm_matches_torch():
+    """p-norms other than 2 and inf (torch and FSDP2 take any p > 0): the sum of |g|^p over every
+    rank's shards, then the p-th root; the norm and the clipped gradients are torch's on the full
+    gradients, through the model's method and torch's wrapped function alike."""
+    for out in run_distributed(clip_p_norms, 2):
+        for key, (norm_err, grad_err) in out.items():
+            assert norm_err < 1e-5 and grad_err < 1e-5, (key, out[key])
 

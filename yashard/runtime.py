@@ -1313,8 +1313,11 @@ class Runtime:
         self.check_grads_reduced("clip_grad_norm_")
         norm_type = float(norm_type)
         grads = [u.master.grad for u in self.units if u.master.grad is not None]
-        if norm_type not in (2.0, math.inf):
-            raise ValueError(f"clip_grad_norm_ supports norm_type=2 or inf, got {norm_type}")
+        if not (0.0 < norm_type <= math.inf):
+            raise ValueError(f"clip_grad_norm_ norm_type={norm_type}: use a p-norm with p > 0 (2, 1, ...) or inf")
+        if math.isnan(float(max_norm)) or float(max_norm) < 0:  # (torch's would scale by NaN, or flip the sign)
+            raise ValueError(f"clip_grad_norm_ max_norm={max_norm}: it must be a number >= 0 (inf: no clipping, "
+                             "only the norm)")
         zero = torch.zeros((), device=self.device)
         if norm_type == math.inf:
             parts = torch.stack(torch._foreach_norm(grads, math.inf)) if grads else zero.view(1)
@@ -1325,11 +1328,11 @@ class Runtime:
             both = torch.stack([torch.where(nan, zero, local), nan.float()])
             self.comm.all_reduce(both, "clip_grad_norm", op="max")  # replicas hold the same shards
             total = torch.where(both[1] > 0, torch.full_like(both[0], math.nan), both[0])
-        else:
-            parts = _squares_per_tensor(grads) if grads else zero.view(1)
+        else:  # sum over every rank's shards of |g|^p, then the p-th root
+            parts = (_powers_per_tensor(grads, norm_type) if grads else zero.view(1))
             sq = parts.sum().float()
             self.comm.all_reduce(sq, "clip_grad_norm")  # over the shard group: replicas are identical
-            total = sq.sqrt()
+            total = sq.sqrt() if norm_type == 2.0 else sq.pow(1.0 / norm_type)
         if error_if_nonfinite and not bool(torch.isfinite(total)):
             raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite, so it cannot be "
                                "clipped (error_if_nonfinite=True); the gradients are left as they are")
@@ -1446,6 +1449,19 @@ class _What:
         in_backward, grad, fwd = self.state
         phase = (f"backward of forward #{fwd}" if in_backward else f"forward #{fwd}" if grad else "no-grad forward")
         return f"{self.op} of {self.unit} ({phase})"
+
+
+def _powers_per_tensor(ts: list[torch.Tensor], p: float) -> torch.Tensor:
+    """1-d, one element per tensor of ``ts``: the sum of ``|x|**p`` over its elements, accumulated
+    in fp64 (fp32 on devices without it); :func:`_squares_per_tensor` for ``p == 2``. Other ``p``
+    (rare) read 64K-element slices on the CPU, with a temporary of one slice."""
+    if p == 2.0:
+        return _squares_per_tensor(ts)
+    if ts[0].device.type != "cpu":
+        acc = torch.float64 if ts[0].device.type == "cuda" else torch.float32
+        return torch.stack(torch._foreach_norm(ts, p)).to(acc).pow(p)
+    return torch.stack([torch.stack([c.abs().pow_(p).sum(dtype=torch.float64) for c in t.split(1 << 16)]).sum()
+                        for t in ts])
 
 
 def _squares_per_tensor(ts: list[torch.Tensor]) -> torch.Tensor:

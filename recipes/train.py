@@ -35,7 +35,7 @@ from torch.profiler import record_function
 from tqdm import tqdm
 
 import yashard
-from data import EVAL_STREAM, build_datasets, load_tokenizer, micro_batches, rank_slice
+from data import EVAL_STREAM, IGNORE_INDEX, build_datasets, load_tokenizer, micro_batches, rank_slice
 from schedule import lr_at
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # fp16: with loss scaling
@@ -92,6 +92,9 @@ class TrainConfig:
                   for name in ("model", "config", "model_size") if getattr(self, name, None) is not None]
         if len(chosen) > 1:
             raise ValueError(f"{' and '.join(chosen)} each choose the model: pass only one of them")
+        if Path(self.out_dir).exists() and not Path(self.out_dir).is_dir():
+            raise ValueError(f"--out-dir {self.out_dir} is a file: pass a directory (created if missing) for the "
+                             "logs, plot, checkpoint and final model")
         if self.stop_at is not None and not 1 <= self.stop_at <= self.steps:
             raise ValueError(f"--stop-at {self.stop_at} must be between 1 and --steps {self.steps}")
         problem = _value_problem(self) or _checkpoint_layers_problem(self)
@@ -122,6 +125,8 @@ def _value_problem(cfg: TrainConfig) -> str | None:
     if bad(cfg.min_lr_ratio, 0 <= cfg.min_lr_ratio <= 1):
         return (f"--min-lr-ratio {cfg.min_lr_ratio} must be between 0 and 1: the cosine schedule decays the learning "
                 "rate from --lr to --min-lr-ratio x --lr (0: down to zero, 1: constant after warmup)")
+    if bad(cfg.clip, True):
+        return f"--clip {cfg.clip} must be a finite number: the global gradient norm to clip to (<= 0: no clipping)"
     if bad(cfg.weight_decay, cfg.weight_decay >= 0):
         return f"--weight-decay {cfg.weight_decay} must be a number >= 0 (0: no weight decay)"
     if cfg.log_every < 1:
@@ -335,7 +340,10 @@ def _folder_problem(flag: str, path: str, what: str) -> str | None:
     if not p.is_dir():
         return f"{flag} {path} is a file: pass {expected}"
     if what == "tokenizer":
-        return None
+        if _has_tokenizer_files(path):
+            return None
+        return (f"{flag} {path} holds no tokenizer (no tokenizer.json, tokenizer_config.json or tokenizer.model): "
+                f"pass {expected}, or leave {flag} out for the model folder's tokenizer or the byte-level default")
     hint = ""
     run_dir = _recipe_run_dir(p)
     if run_dir is not None:  # a run's --out-dir, its checkpoint/ or one save-* folder in it
@@ -607,20 +615,40 @@ def _to(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
+def scored_tokens(batch: dict) -> int:
+    """The tokens a batch's loss is taken over: labels are shifted by one (position t predicts
+    labels[t + 1]), and -100 scores nothing (prompts and padding of SFT examples)."""
+    return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+
+def loss_sum(model, micro: dict, device: torch.device) -> torch.Tensor:
+    """The forward of one micro-batch and the SUM of its tokens' cross-entropy (fp32), as HF's
+    causal-LM loss computes it before dividing. Every step divides the sum by the tokens of the
+    whole global batch, so every token counts once, whatever the world size and accumulation
+    (a mean per micro-batch would weight the tokens of examples with short responses more, and
+    differently for each way of splitting the batch)."""
+    inputs = _to(micro, device)
+    labels = inputs.pop("labels")
+    logits = model(**inputs, use_cache=False).logits
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                                             ignore_index=IGNORE_INDEX, reduction="sum")
+
+
 @torch.no_grad()
 def evaluate(s: Session) -> float:
-    """Mean loss over cfg.eval_batches fixed held-out batches, averaged over all ranks."""
+    """Loss per scored token over cfg.eval_batches fixed held-out batches of every rank."""
     cfg = s.cfg
     s.model.eval()
     total = torch.zeros((), device=s.device)
+    tokens = 0
     for i in range(cfg.eval_batches):
         # The same batches at every eval (the step index is the batch number of a separate stream).
         batch = s.held_out.global_batch(cfg.seed, i, cfg.micro_batch * s.world_size, stream=EVAL_STREAM)
-        out = s.model(**_to(rank_slice(batch, s.rank, s.world_size), s.device), use_cache=False)
-        total += out.loss.float()
+        tokens += scored_tokens(batch)
+        total += loss_sum(s.model, rank_slice(batch, s.rank, s.world_size), s.device)
     dist.all_reduce(total)
     s.model.train()
-    return total.item() / (cfg.eval_batches * s.world_size)
+    return total.item() / max(tokens, 1)
 
 
 def train_loop(s: Session, profiler=None) -> list[dict]:
@@ -644,19 +672,25 @@ def train_loop(s: Session, profiler=None) -> list[dict]:
         for group in s.opt.param_groups:
             group["lr"] = lr
 
+        # Random draws in the step (dropout) from (seed, step, rank), as the data is drawn: a resumed
+        # run draws what the uninterrupted one drew (the generator's state is in no checkpoint).
+        torch.manual_seed((cfg.seed * 1_000_003 + step) * 1_009 + s.rank)
         t0 = time.perf_counter()
         with record_function("yashard::data"):
-            batch = rank_slice(s.train_data.global_batch(cfg.seed, step, s.global_batch), s.rank, s.world_size)
-        loss_sum = torch.zeros((), device=device)
+            whole = s.train_data.global_batch(cfg.seed, step, s.global_batch)
+            # (the gradients are reduced as a SUM over ranks and divided by the world size)
+            per_token = s.world_size / max(scored_tokens(whole), 1)
+            batch = rank_slice(whole, s.rank, s.world_size)
+        total = torch.zeros((), device=device)
         for i, micro in enumerate(micro_batches(batch, cfg.accum_steps)):
             # without resharding, every micro-batch but the last accumulates unreduced (as DDP's no_sync)
             hold = not cfg.reshard_after_forward and i < cfg.accum_steps - 1
             with s.model.no_sync() if hold else contextlib.nullcontext():
                 with record_function("yashard::forward"):
-                    out = s.model(**_to(micro, device), use_cache=False)
+                    micro_sum = loss_sum(s.model, micro, device)
                 with record_function("yashard::backward"):
-                    s.scaler.scale(out.loss / cfg.accum_steps).backward()
-            loss_sum += out.loss.detach().float()
+                    s.scaler.scale(micro_sum * per_token).backward()
+            total += micro_sum.detach()
         with record_function("yashard::clip_grad_norm"):
             s.scaler.unscale_(s.opt)  # (a no-op unless fp16)
             grad_norm = s.model.clip_grad_norm_(max_norm)
@@ -665,9 +699,9 @@ def train_loop(s: Session, profiler=None) -> list[dict]:
             s.scaler.update()
             s.opt.zero_grad(set_to_none=True)
         with record_function("yashard::loss_all_reduce"):
-            # Mean loss over all ranks' micro-batches (SUM then divide: gloo has no AVG).
-            dist.all_reduce(loss_sum)
-            loss = loss_sum.item() / (cfg.accum_steps * s.world_size)  # .item() also waits for the step
+            # Loss per scored token of the global batch (SUM then divide: gloo has no AVG).
+            dist.all_reduce(total)
+            loss = total.item() * per_token / s.world_size  # .item() also waits for the step
         dt = time.perf_counter() - t0
         train_time += dt
         if profiler is not None:

@@ -189,6 +189,21 @@ def test_stop_and_resume_reproduce_the_uninterrupted_run_bitwise(pretrain_run, t
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in b)
 
 
+def test_a_resumed_run_with_dropout_draws_what_the_uninterrupted_one_drew(tmp_path):
+    """Dropout's random draws come from (seed, step, rank), like the data: --stop-at 2 then --resume
+    logs bitwise what the uninterrupted 4-step run logs (before, the resumed run restarted the
+    generator that seeded the model's initialisation)."""
+    (tmp_path / "config.json").write_text(json.dumps({**TINY_CONFIG, "attention_dropout": 0.2}))
+    args = ["--config", str(tmp_path / "config.json"), "--steps", "4", "--eval-every", "0", "--save-every", "0",
+            "--seq-len", "32", "--max-bytes", "100000", "--micro-batch", "2"]
+    run_recipe("pretrain.py", *args, "--out-dir", str(tmp_path / "full"))
+    run_recipe("pretrain.py", *args, "--out-dir", str(tmp_path / "cut"), "--stop-at", "2")
+    run_recipe("pretrain.py", *args, "--out-dir", str(tmp_path / "cut"), "--resume", "true")
+    keys = ("step", "loss", "grad_norm", "eval_loss")
+    got, want = ([{k: r.get(k) for k in keys} for r in read_log(tmp_path / d / "log.jsonl")] for d in ("cut", "full"))
+    assert got == want and len(want) == 4
+
+
 def test_pretrain_without_resharding_follows_the_default_run(pretrain_run, tmp_path):
     """--reshard-after-forward false (per-unit buffers; the first of the two micro-batches runs under
     no_sync) logs the losses and grad norms of the default run: only the order of the fp32
@@ -257,6 +272,24 @@ def test_sft_from_the_pretrained_checkpoint(sft_run):
     _check_png(out / "loss.png")
     saved = json.loads((out / "config.json").read_text())
     assert saved["world_size"] == 2 and saved["steps"] == SFT_STEPS and saved["model"].endswith("final")
+
+
+def test_sft_loss_counts_every_token_once_however_the_batch_is_split(pretrain_run, sft_run, tmp_path):
+    """The same global batch of 8 examples (responses of 2 and 3 tokens) as 2 ranks x 2 micro-batches
+    of 2 instead of 2 ranks x 1 micro-batch of 4: every step's loss and gradient are those of the
+    sum over the batch's response tokens divided by their number, so the logs agree to fp32
+    rounding (a mean per micro-batch weighted each split's short examples differently). (The
+    held-out batches are --micro-batch x world examples, so the eval losses are not compared.)"""
+    out, _ = sft_run
+    data = out.parent / "sft.jsonl"
+    split = tmp_path / "out"
+    run_recipe("finetune.py", "--model", str(pretrain_run[0] / "final"), "--data", str(data),
+               "--steps", "5", "--eval-fraction", "0.1", "--eval-every", "0", "--eval-batches", "1",
+               "--save-every", "0", "--out-dir", str(split), *COMMON[:-1], "2", "--accum-steps", "2")
+    got, want = read_log(split / "log.jsonl"), read_log(out / "log.jsonl")[:5]
+    for key in ("loss", "grad_norm"):
+        a, b = [r[key] for r in got if key in r], [r[key] for r in want if key in r]
+        assert len(a) == len(b) > 0 and a == pytest.approx(b, rel=1e-5), (key, a, b)
 
 
 def test_finetune_with_frozen_embedding_and_first_layer(pretrain_run, tmp_path):
@@ -484,6 +517,8 @@ def test_run_throughput_is_tokens_over_seconds():
     (finetune, ["--min-lr-ratio", "1.5"], "--min-lr-ratio 1.5 must be between 0 and 1"),
     (pretrain, ["--weight-decay", "-0.1"], "--weight-decay -0.1 must be a number >= 0 (0: no weight decay)"),
     (pretrain, ["--lr", "nan"], "--lr nan must be a number > 0"),
+    (finetune, ["--clip", "nan"], "--clip nan must be a finite number: the global gradient norm to clip to"),
+    (pretrain, ["--out-dir", str(ROOT / "README.md")], "README.md is a file: pass a directory (created if missing)"),
     (finetune, ["--eval-batches", "0"], "--eval-batches 0 must be >= 1: every run ends with an evaluation"),
     (pretrain, ["--max-bytes", "0"], "--max-bytes 0 must be >= 1"),
     (finetune, ["--eval-fraction", "0"], "--eval-fraction 0.0 must be between 0 and 1 (both excluded)"),
@@ -546,6 +581,10 @@ def test_model_and_tokenizer_folders_are_checked_before_anything_is_built(pretra
         train.check_folders(finetune.FinetuneConfig(model=str(tmp_path)))
     with pytest.raises(ValueError, match=r"log\.jsonl is a file: pass a local HF checkpoint folder"):
         train.check_folders(finetune.FinetuneConfig(model=str(out / "log.jsonl")))
+    with pytest.raises(ValueError, match=rf"^--tokenizer {re.escape(str(tmp_path))} holds no tokenizer \(no tokenizer\.json, "
+                                         r"tokenizer_config\.json or tokenizer\.model\): pass a local HF tokenizer folder"):
+        train.check_folders(finetune.FinetuneConfig(model=str(out / "final"), tokenizer=str(tmp_path)))
+    (tmp_path / "tokenizer_config.json").write_text("{}")
     train.check_folders(finetune.FinetuneConfig(model=str(out / "final"), tokenizer=str(tmp_path)))
 
 

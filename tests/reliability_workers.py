@@ -679,15 +679,18 @@ def penalty_on_the_shards(rank, world):
     return worst
 
 
-def unreached_layers_are_skipped(rank, world, on_nonfinite="raise"):
+def unreached_layers_are_skipped(rank, world, penalty=0.0):
     """Step 0 trains everything; step 1's loss reads hidden_states[2] only, so layer 2 and lm_head ran
     forward with grad but no rank's backward reaches them. AdamW with weight decay: torch skips
-    their parameters (.grad None), and so must the sharded run. Per parameter, the relative
-    difference to the unsharded model (its loss averaged over the ranks' halves) after step 1."""
+    their parameters (.grad None), and so must the sharded run; with ``penalty``, step 1 adds
+    ``penalty`` x the sum of squares of every parameter (of the shards: summed over ranks, the
+    whole model's), which reaches them through autograd alone, so they step. Per parameter, the
+    relative difference to the unsharded model (its loss averaged over the ranks' halves) after
+    step 1."""
     import copy
 
     ref = build(num_hidden_layers=3)
-    sm = yashard.shard(copy.deepcopy(ref), config=yashard.ShardConfig(on_nonfinite=on_nonfinite))
+    sm = yashard.shard(copy.deepcopy(ref))
     data = batches(2, 2 * world, 8, 96)
 
     def loss_of(model, ids, step):
@@ -698,9 +701,12 @@ def unreached_layers_are_skipped(rank, world, on_nonfinite="raise"):
     decay = [p for n, p in ref.named_parameters() if p.dim() >= 2]
     ropt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
                               {"params": [p for p in ref.parameters() if p.dim() < 2], "weight_decay": 0.0}], lr=1e-2)
+    def reg(model):  # (first in the sum: autograd may run it before the runtime attaches .grad, or after)
+        return penalty * sum(p.pow(2).sum() for p in model.parameters()) if penalty else 0.0
+
     for step in range(2):
-        loss_of(sm, data[step].chunk(world)[rank], step).backward()
-        (sum(loss_of(ref, h, step) for h in data[step].chunk(world)) / world).backward()
+        (reg(sm) * step + loss_of(sm, data[step].chunk(world)[rank], step)).backward()
+        (reg(ref) * step + sum(loss_of(ref, h, step) for h in data[step].chunk(world)) / world).backward()
         opt.step()
         opt.zero_grad()
         ropt.step()

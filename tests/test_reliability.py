@@ -387,6 +387,9 @@ def test_layers_no_rank_backward_reached_are_skipped_by_the_optimizer():
         skipped = {n: d for n, d in diff.items() if ("layers.2." in n or n == "lm_head.weight") and "norm" not in n}
         assert len(skipped) == 8 and max(skipped.values()) < 1e-6, skipped
         assert max(d for n, d in diff.items() if "norm" not in n) < 1e-5, diff
+    # a penalty on the shards reaches them through autograd alone: they keep that gradient and step
+    for diff in run_distributed(unreached_layers_are_skipped, 2, 0.01):
+        assert max(diff.values()) < 1e-5, diff
 
 
 def test_clip_grad_norm_by_any_p_norm_matches_torch():

@@ -853,19 +853,20 @@ class Runtime:
                     u.got_grad = [False] * len(u.got_grad)
                 if fresh:
                     u.attached_from_none = False
-                # A gradient zero_grad(set_to_none=True) dropped is attached unwritten: the unit's first
-                # reduction writes it (no zero-fill pass), and _end_backward zeroes any that none wrote.
-                # A master the loss reads itself (a penalty on model.parameters()) gets its own gradient
-                # from autograd in this pass, at a moment the graph decides: it is attached zeroed, so
-                # autograd and the reductions both add to it. (A shard turned off since its forward gets
-                # no .grad, as torch leaves such a parameter's.)
-                if u.master.grad is None and u.grad_storage is not None and u.master.requires_grad:
+                if u.grad_storage is None or not u.master.requires_grad:
+                    continue  # (a shard turned off since its forward gets no .grad, as torch leaves it)
+                # A master the loss reads itself (a penalty on model.parameters()) gets a gradient
+                # from autograd in this pass, at a moment the graph decides.
+                by_autograd = (u.master.grad is None or u.attached_from_none) and will_accumulate(u.master)
+                if by_autograd:
+                    u.attached_from_none = False  # (reached: the step keeps its .grad)
+                if u.master.grad is None:
                     u.master.grad = u.grad_storage
-                    u.attached_from_none = True
-                    if will_accumulate(u.master):
+                    if by_autograd:  # zeroed: autograd and the reductions both add to it
                         u.grad_storage.zero_()
-                    else:
-                        u.grad_unwritten = True
+                    else:  # the unit's first reduction writes it (no zero-fill pass), and
+                        u.grad_unwritten = True   # _end_backward zeroes any that none wrote
+                        u.attached_from_none = True
             self._forget_dropped_unreduced()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 

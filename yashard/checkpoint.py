@@ -448,9 +448,8 @@ def _write_rank_file(save_dir: Path, rt: "Runtime", optimizer, opt_meta: dict | 
     writer.close()
     for pc in pieces:
         pc["crc32"] = {kind: crcs[key] for kind, key in pc["keys"].items()}
-    scalars = {unit: s["scalars"] for unit, s in state_meta.items()}
     return {"file": fname, "bytes": writer.nbytes, "shard_rank": comm.shard_rank, "pieces": pieces,
-            "sharded": sharded, "scalars": scalars, "buffers": stored if comm.rank == 0 else None}
+            "buffers": stored if comm.rank == 0 else None}
 
 
 def _build_index(rt: "Runtime", metas: list[dict], opt_meta: dict | None, extra: Any) -> dict:
@@ -475,8 +474,7 @@ def _build_index(rt: "Runtime", metas: list[dict], opt_meta: dict | None, extra:
     optimizer = None
     if opt_meta is not None:
         optimizer = {k: opt_meta[k] for k in ("class", "module", "param_groups")}
-        optimizer["state"] = {unit: {"sharded": metas[0]["sharded"].get(unit, {}), "scalars": metas[0]["scalars"].get(unit, {})}
-                              for unit in opt_meta["state"]}
+        optimizer["state"] = opt_meta["state"]  # (every rank's was checked equal before the save began)
     hf = rt.model
     described = describe_params(params)
     return {

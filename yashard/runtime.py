@@ -849,9 +849,8 @@ class Runtime:
             fresh = self.stepped_since_backward  # (not at the step itself: a second optimizer of this
             self.stepped_since_backward = False  # model checks the same flags, see guards.step_checks)
             for u in self.units:
-                if fresh and any(u.got_grad):
-                    u.got_grad = [False] * len(u.got_grad)
                 if fresh:
+                    u.got_grad = [False] * len(u.got_grad)
                     u.attached_from_none = False
                 if u.grad_storage is None or not u.master.requires_grad:
                     continue  # (a shard turned off since its forward gets no .grad, as torch leaves it)
@@ -1330,7 +1329,7 @@ class Runtime:
             self.comm.all_reduce(both, "clip_grad_norm", op="max")  # replicas hold the same shards
             total = torch.where(both[1] > 0, torch.full_like(both[0], math.nan), both[0])
         else:  # sum over every rank's shards of |g|^p, then the p-th root
-            parts = (_powers_per_tensor(grads, norm_type) if grads else zero.view(1))
+            parts = _powers_per_tensor(grads, norm_type) if grads else zero.view(1)
             sq = parts.sum().float()
             self.comm.all_reduce(sq, "clip_grad_norm")  # over the shard group: replicas are identical
             total = sq.sqrt() if norm_type == 2.0 else sq.pow(1.0 / norm_type)

@@ -243,19 +243,30 @@ def stalled_future(rank: int, world: int) -> str:
     return "returned"
 
 
-def qgz_resume(rank: int, world: int, root: str) -> bool:
+def qgz_resume(rank: int, world: int, root: str, order: str = "register_then_load"):
     """qgZ int4 (stochastic rounding): 4 steps straight, against 2 steps, save_checkpoint, a fresh
-    model, hook state and optimizer, load_checkpoint, 2 steps. Returns whether the two runs end with
-    bitwise equal parameters (the checkpoint carries QgzState's rounding position)."""
+    model, hook state and optimizer, load_checkpoint, 2 steps. ``order`` is when the resumed run
+    registers its hook: before the load, after it, never, or a stateless hook (bf16 compression)
+    after it. Returns whether the two runs end with bitwise equal parameters (the checkpoint carries
+    QgzState's rounding position), the resumed state's position before its first step, and what
+    yashard warned on rank 0."""
+    import logging
+
     import yashard
     from models import batches, build
 
     data = batches(4, 2 * world, 8, 96)
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger("yashard").addHandler(handler)
 
-    def fresh():
+    def fresh(register: bool = True):
         sm = yashard.shard(build())
-        sm.register_comm_hook(comm_hooks.QgzState(sm, 1, bits=4), comm_hooks.qgz_hook)
-        return sm, torch.optim.AdamW(sm.parameters(), lr=1e-2)
+        state = comm_hooks.QgzState(sm, 1, bits=4)
+        if register:
+            sm.register_comm_hook(state, comm_hooks.qgz_hook)
+        return sm, state, torch.optim.AdamW(sm.parameters(), lr=1e-2)
 
     def steps(sm, opt, lo, hi):
         for ids in data[lo:hi]:
@@ -264,16 +275,23 @@ def qgz_resume(rank: int, world: int, root: str) -> bool:
             opt.step()
             opt.zero_grad()
 
-    sm, opt = fresh()
+    sm, _, opt = fresh()
     steps(sm, opt, 0, 2)
     yashard.save_checkpoint(root, sm, opt)
     steps(sm, opt, 2, 4)
     straight = sm.full_state_dict()
-    sm, opt = fresh()
+    sm, state, opt = fresh(register=order == "register_then_load")
+    seen.clear()
     yashard.load_checkpoint(root, sm, opt)
+    if order == "load_then_register":
+        sm.register_comm_hook(state, comm_hooks.qgz_hook)
+    elif order == "stateless_hook":
+        sm.register_comm_hook(None, comm_hooks.bf16_compress_hook)
+    position = state.calls
     steps(sm, opt, 2, 4)
     resumed = sm.full_state_dict()
-    return all(torch.equal(straight[k], resumed[k]) for k in straight)
+    logging.getLogger("yashard").removeHandler(handler)
+    return all(torch.equal(straight[k], resumed[k]) for k in straight), position, seen
 
 
 def layers_bf16_hook(state, bucket):

@@ -331,12 +331,30 @@ def test_a_plain_future_is_bounded_by_collective_timeout():
         assert res.startswith("raised after") and float(res.split()[2][:-1]) < 10, res
 
 
-def test_stochastic_qgz_resumes_bitwise(tmp_path):
+@pytest.mark.parametrize("order", ["register_then_load", "load_then_register"])
+def test_stochastic_qgz_resumes_bitwise(tmp_path, order):
     """QgzState's rounding position travels in the checkpoint: a resumed int4 qgZ run draws what the
-    uninterrupted one drew (before, the draws started over and the runs parted by ~3e-2)."""
+    uninterrupted one drew (before, the draws started over and the runs parted by ~3e-2), whether
+    the hook is registered before load_checkpoint or after it (before, the state of a hook registered
+    after the load was silently dropped)."""
     from comm_hook_workers import qgz_resume
 
-    assert run_distributed(qgz_resume, 2, str(tmp_path / "ckpt")) == [True, True]
+    for same, position, warned in run_distributed(qgz_resume, 2, str(tmp_path / "ckpt"), order):
+        assert same and position > 0 and not warned, (position, warned)
+
+
+@pytest.mark.parametrize("order", ["never_registered", "stateless_hook"])
+def test_a_checkpoints_hook_state_that_nothing_takes_is_warned_about(tmp_path, order):
+    """A qgZ run resumed without its hook (the default hook reduces) or with a hook whose state cannot
+    load the saved one: the run differs from the uninterrupted one, and rank 0 says why."""
+    from comm_hook_workers import qgz_resume
+
+    hits = []
+    for rank, (same, _, warned) in enumerate(run_distributed(qgz_resume, 2, str(tmp_path / "ckpt"), order)):
+        assert not same
+        hits.append([w for w in warned if "comm hook state" in w or "stateful comm hook" in w])
+    assert len(hits[0]) == 1 and hits[1] == [], hits
+    assert ("no hook was registered" if order == "never_registered" else "has no load_state_dict") in hits[0][0]
 
 
 def test_a_hook_mixing_scratch_dtypes_keeps_memory_fixed():

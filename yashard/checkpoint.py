@@ -487,14 +487,8 @@ def _build_index(rt: "Runtime", metas: list[dict], opt_meta: dict | None, extra:
                   "config": _config_dict(hf)},
         "files": files, "params": params, "optimizer": optimizer, "extra": extra,
         "buffers": next(m["buffers"] for m in metas if m["buffers"] is not None),
-        "comm_hook_state": _hook_state(rt),
+        "comm_hook_state": rt.hook_state_dict(),
     }
-
-
-def _hook_state(rt) -> dict | None:
-    """The registered comm hook's state, where it has one to resume (``QgzState``'s rounding draws)."""
-    get = getattr(rt.comm_hook_state, "state_dict", None)
-    return get() if callable(get) else None
 
 
 def _commit(root: Path, save_dir: Path, index: dict) -> None:
@@ -972,9 +966,7 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer: torch.optim.Optim
                 for name, b in persistent_buffers(rt.model):
                     if name in buffers:
                         b.copy_(buffers[name])
-            hook_state = index.get("comm_hook_state")
-            if hook_state is not None and callable(getattr(rt.comm_hook_state, "load_state_dict", None)):
-                rt.comm_hook_state.load_state_dict(hook_state)
+            rt.restore_hook_state(index.get("comm_hook_state"))  # (or keeps it for a hook registered next)
         except Exception as e:  # noqa: BLE001
             err = e
         _agree(comm, "load_checkpoint", err)

@@ -86,6 +86,7 @@ class Runtime:
         self._workspaces: dict[str, torch.Tensor] = {}   # comm hooks' persistent scratch buffers
         self._hook_planned = False  # the comm hook's workspace_plan was allocated (more is warned about)
         self._hook_registered = False  # register_comm_hook was called (once only)
+        self._loaded_hook_state: dict | None = None  # a checkpoint's comm hook state, for a hook registered later
         self._bucket_index = 0
         self._cast_versions: tuple | None = None   # master versions the param_dtype shards were cast at
         self._fwd_cursor = 0
@@ -490,6 +491,8 @@ class Runtime:
         self._begin_forward(grad)
         self._root_active = True
         if grad:
+            if self.grad_fwd_id == 0 and self._loaded_hook_state is not None:
+                self._drop_loaded_hook_state()
             self.grad_fwd_id += 1
             self._fwd_sync = self.require_grad_sync
         if grad:  # (until its backward ends; a no-grad forward in between, an evaluation, leaves it pending)
@@ -1239,8 +1242,50 @@ class Runtime:
                 "a different sequence of collectives: look for the first error on the other ranks"
             )
         self._hook_registered = True
+        if self._loaded_hook_state is not None:  # load_checkpoint came first: resume this hook's state now
+            state_dict, self._loaded_hook_state = self._loaded_hook_state, None
+            self.restore_hook_state(state_dict)
         self._workspaces.clear()  # the default hook's buffers; the new hook asks for its own
         self._plan_hook_workspaces()
+
+    def hook_state_dict(self) -> dict | None:
+        """The comm hook's state to save (``QgzState``'s rounding position), where it has one; a
+        loaded one still waiting for its hook travels on."""
+        if self._loaded_hook_state is not None:
+            return self._loaded_hook_state
+        get = getattr(self.comm_hook_state, "state_dict", None)
+        return get() if callable(get) else None
+
+    def restore_hook_state(self, state_dict: dict | None) -> None:
+        """Give a checkpoint's comm hook state (``state.state_dict()`` at the save) to the registered
+        hook's state, or keep it for a hook registered later (before the first forward): the order of
+        ``load_checkpoint`` and ``register_comm_hook`` does not matter. A state that cannot take it is
+        warned about, never silently dropped."""
+        if state_dict is None:
+            return
+        if not self._hook_registered:
+            self._loaded_hook_state = state_dict
+            if self.grad_fwd_id > 0:  # (too late to register one)
+                self._drop_loaded_hook_state()
+            return
+        load = getattr(self.comm_hook_state, "load_state_dict", None)
+        if callable(load):
+            load(state_dict)
+        elif self.comm.rank == 0:
+            logger.warning(
+                "yashard: the checkpoint carries comm hook state %s, but the registered hook's state (%s) has no "
+                "load_state_dict, so it starts afresh: register the hook and state the run was saved with "
+                "(for example comm_hooks.QgzState with qgz_hook) to resume it", _brief(state_dict),
+                type(self.comm_hook_state).__name__)
+
+    def _drop_loaded_hook_state(self) -> None:
+        """A forward ran without a hook to take a checkpoint's comm hook state: say so."""
+        state_dict, self._loaded_hook_state = self._loaded_hook_state, None
+        if self.comm.rank == 0:
+            logger.warning(
+                "yashard: the checkpoint was saved with a stateful comm hook (state %s), but no hook was registered "
+                "before the first forward, so gradients are reduced by the default hook: call register_comm_hook "
+                "with the run's hook before training to resume it", _brief(state_dict))
 
     def _allocate_grad_slots(self) -> None:
         """Leave the in-place gradient path (:func:`direct_grads`): before the first forward, the
@@ -1396,6 +1441,11 @@ class Runtime:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+
+def _brief(state_dict: dict, limit: int = 120) -> str:
+    text = repr(state_dict)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def direct_grads(direct: bool, dp_world: int, config: ShardConfig) -> bool:

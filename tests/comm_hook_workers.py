@@ -394,3 +394,21 @@ def groups_before_shard(rank: int, world: int) -> dict:
     except RuntimeError as e:
         out["subgroups"] = str(e)
     return out
+
+
+def shard_warnings(rank: int, world: int, config: dict) -> list[str]:
+    """What ``yashard.shard`` with ``ShardConfig(**config)`` warns about on this rank."""
+    import logging
+
+    import yashard
+    from models import build
+
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger("yashard").addHandler(handler)
+    try:
+        yashard.shard(build(), config=yashard.ShardConfig(**config))
+    finally:
+        logging.getLogger("yashard").removeHandler(handler)
+    return seen

@@ -357,6 +357,17 @@ def test_a_checkpoints_hook_state_that_nothing_takes_is_warned_about(tmp_path, o
     assert ("no hook was registered" if order == "never_registered" else "has no load_state_dict") in hits[0][0]
 
 
+def test_hpz_over_the_whole_shard_group_is_warned_about():
+    """secondary_group_size equal to the shard group re-gathers over the same ranks: a no-op that
+    costs a layer slice per rank. Rank 0 says so; a smaller secondary group is not warned about."""
+    from comm_hook_workers import shard_warnings
+
+    said = "secondary_group_size=2 (hpZ) equals the shard group's size"
+    warned = run_distributed(shard_warnings, 2, {"secondary_group_size": 2})
+    assert [sum(said in w for w in ws) for ws in warned] == [1, 0], warned
+    assert all(w == [] for w in run_distributed(shard_warnings, 2, {"secondary_group_size": 1}))
+
+
 def test_a_hook_mixing_scratch_dtypes_keeps_memory_fixed():
     """One workspace per name and dtype: the default hook's fp32 scratch and bf16 compression's
     under one hook no longer reallocate each other's buffer at every bucket."""

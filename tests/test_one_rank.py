@@ -136,6 +136,40 @@ def test_zeropp_weight_options_at_one_rank_are_warned(pg, caplog, kw, said):
     assert "over a one-rank shard group nothing is gathered, yet " + said in caplog.text
 
 
+def test_quant_block_without_qwz_is_warned_about(pg, caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="yashard"):
+        yashard.shard(build(), config=yashard.ShardConfig(quant_block=256))
+    assert "quant_block=256 is ignored: it sizes qwZ's quantization blocks and quantized_weights is off" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="yashard"):
+        yashard.shard(build())
+    assert caplog.text == ""
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp16_compression_without_loss_scaling_is_warned_about(pg, caplog, dtype):
+    """fp16 on the wire underflows like fp16 weights do: the first step warns (naming
+    bf16_compress_hook as the other way out), and with bf16 weights, whose gradients fp16 cannot
+    range over, the registration itself warns."""
+    import logging
+
+    from yashard import comm_hooks
+
+    sm = yashard.shard(build(), config=yashard.ShardConfig(param_dtype=dtype))
+    opt = torch.optim.SGD(sm.parameters(), lr=1e-2)
+    with caplog.at_level(logging.WARNING, logger="yashard"):
+        sm.register_comm_hook(None, comm_hooks.fp16_compress_hook)
+        registered = caplog.text
+        ids = batches(1, 2, 8, sm.module.config.vocab_size)[0]
+        sm(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+    assert ("fp16_compress_hook with param_dtype=bfloat16" in registered) == (dtype == torch.bfloat16), registered
+    assert ("comm hook fp16_compress_hook without yashard.ShardedGradScaler" in caplog.text
+            and "ShardedGradScaler(model), or bf16_compress_hook" in caplog.text), caplog.text
+
+
 def test_a_compression_hook_on_16_bit_gradients_needs_nothing_at_one_rank(pg):
     """bf16 gradients through bf16_compress_hook take the default hook's path: over one rank that
     is the buffer itself, so no reduce output is planned or allocated (it was, at the first backward,

@@ -26,6 +26,8 @@ import weakref
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from .comm_hooks import fp16_compress_hook
+
 _handles: list = []
 logger = logging.getLogger("yashard")
 
@@ -336,15 +338,18 @@ def check_loss_scaling(rt, optimizer) -> None:
         )
     fp16 = [f"{k}=float16" for k, d in (("param_dtype", rt.config.param_dtype), ("reduce_dtype", rt.config.wire_dtype))
             if d == torch.float16]
+    if rt.comm_hook is fp16_compress_hook:
+        fp16.append("comm hook fp16_compress_hook")
     if fp16 and not rt.warned_fp16:
         rt.warned_fp16 = True
         if rt.comm.rank == 0:
+            way_out = [] if rt.config.param_dtype == torch.float16 else \
+                ["reduce_dtype=torch.float32" if rt.config.wire_dtype == torch.float16 else "bf16_compress_hook"]
             logger.warning(
                 "%s without yashard.ShardedGradScaler: fp16 gradients underflow (and overflow to inf) without "
                 "loss scaling, and torch.amp.GradScaler decides per rank (ranks holding other shards skip other "
                 "steps: they drift apart or wait in a collective the others skipped). Use scaler = "
-                "yashard.ShardedGradScaler(model)%s", " and ".join(fp16),
-                "" if rt.config.param_dtype == torch.float16 else ", or reduce_dtype=torch.float32")
+                "yashard.ShardedGradScaler(model)%s", " and ".join(fp16), "".join(f", or {w}" for w in way_out))
 
 
 def _after_step(optimizer, args, kwargs):

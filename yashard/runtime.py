@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from . import guards, materialize
 from .buffers import Slot
 from .collectives import Comm
-from .comm_hooks import GradBucket, reduce_scatter_hook
+from .comm_hooks import GradBucket, fp16_compress_hook, reduce_scatter_hook
 from .config import ShardConfig, _dtype_name
 from ._tree import diff_leaves, is_diff_tensor, put_back
 from .events import IN_PLACE, Completed, Pending, Streams, labelled
@@ -99,6 +99,7 @@ class Runtime:
                            "qwZ (quantized_weights) quantizes the weights for nothing, losing precision"
                            if config.quantized_weights else
                            "hpZ (secondary_group_size) keeps a copy of every layer for nothing")
+        self._warn_idle_settings(config, comm)
         groups = self._partition(model, spec)
         self._build_units(groups)
         self._install_hooks(spec)
@@ -108,6 +109,23 @@ class Runtime:
         model._yashard_sharded = True
 
     # ------------------------------------------------------------------ construction
+    @staticmethod
+    def _warn_idle_settings(config: ShardConfig, comm: Comm) -> None:
+        """Warn (rank 0) about settings that change nothing here, so nobody tunes a no-op."""
+        if comm.rank != 0:
+            return
+        if comm.shard_world > 1 and config.secondary_group_size == comm.shard_world:
+            logger.warning(
+                "yashard: secondary_group_size=%d (hpZ) equals the shard group's size, so the backward re-gathers "
+                "run over the same ranks as without it, and each rank keeps a layer slice in param_dtype for nothing: "
+                "use a smaller group (the ranks of one node) or drop secondary_group_size", comm.shard_world)
+        default_block = next(f.default for f in dataclasses.fields(ShardConfig) if f.name == "quant_block")
+        if config.quant_block != default_block and not config.quantized_weights:
+            logger.warning(
+                "yashard: quant_block=%d is ignored: it sizes qwZ's quantization blocks and quantized_weights is off "
+                "(set quantized_weights=8 or 4, or drop quant_block; qgZ's block is QgzState(block=))",
+                config.quant_block)
+
     def _validate(self, model: nn.Module, spec: ModelSpec) -> None:
         """Checks that need the model, run before anything in it is changed."""
         if getattr(model, "_yashard_sharded", False):
@@ -1230,6 +1248,11 @@ class Runtime:
                 "were reduced by the default hook)"
             )
         self._check_same_hook(state, hook)
+        if hook is fp16_compress_hook and self.config.param_dtype == torch.bfloat16 and self.comm.rank == 0:
+            logger.warning(
+                "yashard: fp16_compress_hook with param_dtype=bfloat16: the gradients go over the wire in float16, "
+                "whose range (largest 65504, smallest normal 6.1e-05) is far narrower than bfloat16's, so large "
+                "gradients overflow to inf and small ones flush toward zero: use bf16_compress_hook (same bytes)")
         if self.direct_grads:  # a hook reduces from the gradient slots: give them their buffers
             self._allocate_grad_slots()
         self.comm_hook, self.comm_hook_state = hook, state

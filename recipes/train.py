@@ -76,7 +76,8 @@ class TrainConfig:
                                                            "comma-separated strings, before sharding (e.g. embed_tokens,layers.0.)"})
     reshard_after_forward: bool = field(default=True, metadata={"help": "false: every unit keeps its own buffers (the model's size per rank), gathered once per step; accumulation reduces once per step (no_sync)"})
     eval_every: int = field(default=10, metadata={"help": "eval every N steps (<= 0: only at the end)"})
-    eval_batches: int = field(default=4, metadata={"help": "held-out batches (micro_batch per rank) per eval"})
+    eval_batches: int = field(default=4, metadata={"help": "held-out batches per eval, each of a training step's global batch of "
+                                                         "sequences"})
     seed: int = field(default=0, metadata={"help": "seed for model init and batch sampling"})
     out_dir: str = field(default="runs/train", metadata={"help": "where logs, plot and checkpoint go"})
     log_every: int = field(default=1, metadata={"help": "write a log line / refresh the bar every N steps (>= 1)"})
@@ -101,6 +102,9 @@ class TrainConfig:
         if problem:
             raise ValueError(problem)
         if self.data is not None:
+            if os.path.isdir(self.data):
+                raise ValueError(f"--data {self.data} is a folder: pass one .txt file (plain language modelling) or "
+                                 "one .jsonl file of {\"prompt\", \"response\"} lines (SFT)")
             if not self.data.endswith((".txt", ".jsonl")):
                 raise ValueError(f"--data {self.data}: unsupported file type; pass a .txt file (plain language "
                                  "modelling) or a .jsonl file of {\"prompt\", \"response\"} lines (SFT)")
@@ -108,7 +112,7 @@ class TrainConfig:
                 raise ValueError(f"--data {self.data}: no such file")
         if self.resume:  # the checkpoint's step, read from its index (load_checkpoint checks it all later)
             ckpt = Path(self.out_dir) / "checkpoint"
-            problem = resume_problem(self, saved_step(ckpt), ckpt)
+            problem = resume_problem(self, saved_extra(ckpt), ckpt)
             if problem:
                 raise ValueError(problem)
 
@@ -177,23 +181,32 @@ def _checkpoint_layers_problem(cfg: TrainConfig) -> str | None:
     return None
 
 
-def saved_step(ckpt: Path) -> int | None:
-    """The step after which the checkpoint in ``ckpt`` was saved, from its index; None when there is none
-    (or it cannot be read: :func:`yashard.load_checkpoint` then says what is wrong with it)."""
+def saved_extra(ckpt: Path) -> dict | None:
+    """What the run saved with the checkpoint in ``ckpt`` (its step, global batch, --freeze), from its
+    index; None when there is none (or it cannot be read: :func:`yashard.load_checkpoint` then says
+    what is wrong with it)."""
     if not (ckpt / "LATEST").exists():
         return None
     try:
         from yashard.checkpoint import read_index, resolve_checkpoint
 
-        return int(read_index(resolve_checkpoint(ckpt))["extra"]["step"])
+        extra = read_index(resolve_checkpoint(ckpt))["extra"]
+        int(extra["step"])
+        return extra
     except Exception:  # noqa: BLE001 - checked again, with load_checkpoint's errors, when the run loads it
         return None
 
 
-def resume_problem(cfg: TrainConfig, step: int | None, ckpt: Path) -> str | None:
-    """Why ``cfg`` cannot resume from the checkpoint saved after ``step``, with the fix; None if it can."""
-    if step is None:
+def _freeze_patterns(patterns: str | None) -> list[str]:
+    return sorted({p.strip() for p in (patterns or "").split(",") if p.strip()})
+
+
+def resume_problem(cfg: TrainConfig, extra: dict | None, ckpt: Path) -> str | None:
+    """Why ``cfg`` cannot resume from the checkpoint whose ``extra`` (see :func:`saved_extra`) is
+    given, with the fix; None if it can."""
+    if extra is None:
         return None
+    step = int(extra["step"])
     if cfg.steps < step:
         before = _saved_steps(Path(cfg.out_dir))
         return (f"--steps {cfg.steps} is below step {step}, where the checkpoint in {ckpt} was saved, so --resume true "
@@ -205,6 +218,14 @@ def resume_problem(cfg: TrainConfig, step: int | None, ckpt: Path) -> str | None
                 f"--steps {cfg.steps}" if step < cfg.steps else "leave --stop-at out: the run is complete")
         return (f"--stop-at {cfg.stop_at} is at or before step {step}, where the checkpoint in {ckpt} was saved: a "
                 f"resumed run starts after step {step}; {more}")
+    if "freeze" in extra and _freeze_patterns(extra["freeze"]) != _freeze_patterns(cfg.freeze):
+        saved = ",".join(_freeze_patterns(extra["freeze"]))
+        was = f"--freeze {saved}" if saved else "no --freeze"
+        keep = f"pass --freeze {saved}" if saved else "leave --freeze out"
+        now = f"--freeze {cfg.freeze}" if _freeze_patterns(cfg.freeze) else "no --freeze"
+        return (f"{now}, but the checkpoint in {ckpt} was trained with {was}: the optimizer's parameter groups and "
+                f"state are those of the parameters it trained. To continue it, {keep}; to train other parameters "
+                "from its weights, start a new run from its export (--model <out-dir>/final, another --out-dir)")
     return None
 
 
@@ -550,7 +571,7 @@ def setup(cfg: TrainConfig) -> Session:
         wanted = [group["weight_decay"] for group in opt.param_groups]  # --weight-decay (no-decay group: 0)
         extra = yashard.load_checkpoint(ckpt, model, opt)  # also restores the saved param-group hyperparameters
         start_step = extra["step"]
-        problem = resume_problem(cfg, start_step, ckpt)  # (validate checked the index already)
+        problem = resume_problem(cfg, extra, ckpt)  # (validate checked the index already)
         if problem:
             raise ValueError(problem)
         # The command line's weight decay applies from here on (lr is set every step by the schedule).
@@ -636,16 +657,19 @@ def loss_sum(model, micro: dict, device: torch.device) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate(s: Session) -> float:
-    """Loss per scored token over cfg.eval_batches fixed held-out batches of every rank."""
+    """Loss per scored token over cfg.eval_batches fixed held-out global batches, each the size of a
+    training step's (so the held-out set is the same however that batch is split over ranks and
+    micro-batches); each rank scores its rows in micro-batches of the training micro-batch's size."""
     cfg = s.cfg
     s.model.eval()
     total = torch.zeros((), device=s.device)
     tokens = 0
     for i in range(cfg.eval_batches):
         # The same batches at every eval (the step index is the batch number of a separate stream).
-        batch = s.held_out.global_batch(cfg.seed, i, cfg.micro_batch * s.world_size, stream=EVAL_STREAM)
+        batch = s.held_out.global_batch(cfg.seed, i, s.global_batch, stream=EVAL_STREAM)
         tokens += scored_tokens(batch)
-        total += loss_sum(s.model, rank_slice(batch, s.rank, s.world_size), s.device)
+        for micro in micro_batches(rank_slice(batch, s.rank, s.world_size), cfg.accum_steps):
+            total += loss_sum(s.model, micro, s.device)
     dist.all_reduce(total)
     s.model.train()
     return total.item() / max(tokens, 1)
@@ -710,7 +734,7 @@ def train_loop(s: Session, profiler=None) -> list[dict]:
         # --stop-at always saves (a stopped run is continued with --resume), even with --save-every 0
         if (stop and cfg.stop_at is not None) or (cfg.save_every > 0 and ((step + 1) % cfg.save_every == 0 or stop)):
             with record_function("yashard::save_checkpoint"):
-                extra = {"step": step + 1, "global_batch": s.global_batch}
+                extra = {"step": step + 1, "global_batch": s.global_batch, "freeze": s.cfg.freeze}
                 if s.scaler.is_enabled():
                     extra["grad_scaler"] = s.scaler.state_dict()
                 yashard.save_checkpoint(s.out_dir / "checkpoint", s.model, s.opt, extra=extra)

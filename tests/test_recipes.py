@@ -278,16 +278,17 @@ def test_sft_loss_counts_every_token_once_however_the_batch_is_split(pretrain_ru
     """The same global batch of 8 examples (responses of 2 and 3 tokens) as 2 ranks x 2 micro-batches
     of 2 instead of 2 ranks x 1 micro-batch of 4: every step's loss and gradient are those of the
     sum over the batch's response tokens divided by their number, so the logs agree to fp32
-    rounding (a mean per micro-batch weighted each split's short examples differently). (The
-    held-out batches are --micro-batch x world examples, so the eval losses are not compared.)"""
+    rounding (a mean per micro-batch weighted each split's short examples differently), and so does
+    the held-out loss, whose batches are global batches too (they were --micro-batch x world
+    examples, so the split evaluated other examples)."""
     out, _ = sft_run
     data = out.parent / "sft.jsonl"
     split = tmp_path / "out"
     run_recipe("finetune.py", "--model", str(pretrain_run[0] / "final"), "--data", str(data),
-               "--steps", "5", "--eval-fraction", "0.1", "--eval-every", "0", "--eval-batches", "1",
+               "--steps", "5", "--eval-fraction", "0.1", "--eval-every", "0", "--eval-batches", "2",
                "--save-every", "0", "--out-dir", str(split), *COMMON[:-1], "2", "--accum-steps", "2")
     got, want = read_log(split / "log.jsonl"), read_log(out / "log.jsonl")[:5]
-    for key in ("loss", "grad_norm"):
+    for key in ("loss", "grad_norm", "eval_loss"):
         a, b = [r[key] for r in got if key in r], [r[key] for r in want if key in r]
         assert len(a) == len(b) > 0 and a == pytest.approx(b, rel=1e-5), (key, a, b)
 
@@ -325,6 +326,14 @@ def test_freeze_option_errors():
     model.requires_grad_(True)
     assert train.freeze(model, "lm_head") == model.lm_head.weight.numel()  # a tied name
     assert not model.model.embed_tokens.weight.requires_grad
+    # a resumed run must freeze what the checkpoint's run froze (the same patterns in any order and spacing)
+    saved, ckpt = {"step": 2, "freeze": "layers.0.,embed_tokens"}, Path("run/checkpoint")
+    cfg = finetune.FinetuneConfig(steps=8, freeze=" embed_tokens,layers.0.")
+    assert train.resume_problem(cfg, saved, ckpt) is None
+    assert train.resume_problem(finetune.FinetuneConfig(steps=8), {"step": 2}, ckpt) is None  # (saved before --freeze was)
+    problem = train.resume_problem(finetune.FinetuneConfig(steps=8), saved, ckpt)
+    assert problem.startswith("no --freeze, but the checkpoint in run/checkpoint was trained with --freeze "
+                              "embed_tokens,layers.0.:") and "To continue it, pass --freeze embed_tokens,layers.0.;" in problem
 
 
 # --------------------------------------------------------------------------------------------
@@ -517,6 +526,8 @@ def test_run_throughput_is_tokens_over_seconds():
     (finetune, ["--min-lr-ratio", "1.5"], "--min-lr-ratio 1.5 must be between 0 and 1"),
     (pretrain, ["--weight-decay", "-0.1"], "--weight-decay -0.1 must be a number >= 0 (0: no weight decay)"),
     (pretrain, ["--lr", "nan"], "--lr nan must be a number > 0"),
+    (finetune, ["--data", str(ROOT / "tests")], "--data " + str(ROOT / "tests") + " is a folder: pass one .txt file"),
+    (finetune, ["--data", str(ROOT / "README.md")], "unsupported file type; pass a .txt file"),
     (finetune, ["--clip", "nan"], "--clip nan must be a finite number: the global gradient norm to clip to"),
     (pretrain, ["--out-dir", str(ROOT / "README.md")], "README.md is a file: pass a directory (created if missing)"),
     (finetune, ["--eval-batches", "0"], "--eval-batches 0 must be >= 1: every run ends with an evaluation"),
@@ -542,7 +553,8 @@ def _usage_error(module, argv, capsys) -> str:
 
 
 def test_resume_options_past_the_checkpoint_are_refused_before_the_run(pretrain_run, capsys):
-    """--resume with --stop-at or --steps at or before the checkpoint's step (16 here) exits with a usage error."""
+    """--resume with --stop-at or --steps at or before the checkpoint's step (16 here), or with
+    another --freeze than the run's, exits with a usage error."""
     out = str(pretrain_run[0])
     ckpt = re.escape(str(pretrain_run[0] / "checkpoint"))
     resume = ["--out-dir", out, "--resume", "true"]
@@ -554,6 +566,10 @@ def test_resume_options_past_the_checkpoint_are_refused_before_the_run(pretrain_
     err = _usage_error(pretrain, [*resume, "--steps", "4"], capsys)
     assert re.search(rf"--steps 4 is below step 16, where the checkpoint in {ckpt} was saved, so --resume true has "
                      r"nothing to train: pass --steps 16 to continue the run", err), err
+    err = _usage_error(pretrain, [*resume, "--steps", "20", "--freeze", "embed_tokens"], capsys)
+    assert re.search(rf"--freeze embed_tokens, but the checkpoint in {ckpt} was trained with no --freeze: the "
+                     r"optimizer's parameter groups and state are those of the parameters it trained\. To continue it, "
+                     r"leave --freeze out; to train other parameters from its weights, start a new run", err), err
     assert pretrain.parse_config([*resume, "--steps", "20", "--stop-at", "17"]).stop_at == 17
     assert pretrain.parse_config(["--out-dir", out, "--steps", "4", "--stop-at", "2"]).steps == 4  # no --resume
 

@@ -23,6 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import yashard
+from yashard import comm_hooks
 from ckpt_workers import (DCP_MODELS, persistent_buffers_travel, load_different_checkpoints, load_while_a_save_commits, dcp_optimizer_scalars, optimizer_state_dict_misuse, save_misuse, EXPORT_LIMIT, dcp_async_save, dcp_load, dcp_load_named, dcp_save,
                           dcp_train_resume, fsdp2_dcp, fsdp2_train_save_continue, run_segments, save_then_killed_save,
                           segment, yashard_load_continue)
@@ -1172,3 +1173,57 @@ def test_another_ranks_optimizer_state_dict_is_refused(tmp_path):
     refused = [e for e, _ in dcp_results if e is not None]
     assert len(refused) == 1, dcp_results
     assert "torch.distributed.checkpoint keeps one rank's copy" in refused[0]
+
+
+class _CountingState:
+    """A comm hook state with a position to resume, as QgzState has."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def state_dict(self):
+        return {"calls": self.calls}
+
+    def load_state_dict(self, state):
+        self.calls = int(state["calls"])
+
+
+class _OtherState(_CountingState):
+    def load_state_dict(self, state):
+        self.other = state["other"]
+
+
+def _counting_hook(state, bucket):
+    state.calls += 1
+    return comm_hooks.reduce_scatter_hook(state, bucket)
+
+
+def test_a_hook_state_that_cannot_take_the_checkpoints_is_refused_before_registering(pg, tmp_path, caplog):
+    """load_checkpoint, then register_comm_hook with a state whose load_state_dict fails on the
+    saved state: refused naming both, nothing registered, so the right state can be registered
+    next and resumes. A load after the first forward, with no hook to take the state, says how."""
+    import logging
+
+    sm = yashard.shard(build())
+    sm.register_comm_hook(_CountingState(), _counting_hook)
+    ids = batches(1, 2, 8, sm.module.config.vocab_size)[0]
+    sm(input_ids=ids, labels=ids).loss.backward()
+    yashard.save_checkpoint(tmp_path, sm)
+    saved = sm.runtime.comm_hook_state.calls
+    assert saved > 0
+
+    fresh = yashard.shard(build())
+    yashard.load_checkpoint(tmp_path, fresh)
+    with pytest.raises(ValueError, match=r"the checkpoint's comm hook state \{'calls': \d+\} does not load into the "
+                                         r"hook state _OtherState \(KeyError: 'other'\): register the hook and state"):
+        fresh.register_comm_hook(_OtherState(), _counting_hook)
+    state = _CountingState()
+    fresh.register_comm_hook(state, _counting_hook)
+    assert state.calls == saved and fresh.runtime.comm_hook_state is state
+
+    late = yashard.shard(build())
+    late(input_ids=ids, labels=ids).loss.backward()
+    with caplog.at_level(logging.WARNING, logger="yashard"):
+        yashard.load_checkpoint(tmp_path, late)
+    assert "no hook was registered before the first forward" in caplog.text
+    assert "to resume it, load the checkpoint into a freshly sharded model and call register_comm_hook" in caplog.text

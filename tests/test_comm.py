@@ -569,8 +569,8 @@ def test_built_in_hooks_plan_their_scratch_before_step_one(world):
             assert r["after"] == r["held"], name
             if name not in ("no_plan", "underplanned"):
                 assert r["before"] == r["after"], (name, r)
-            if name != "underplanned":
-                assert not r["warnings"], (name, r["warnings"])
+            if name != "underplanned":  # (fp16 on the wire without a loss scaler is warned about: not scratch)
+                assert not [w for w in r["warnings"] if "without yashard.ShardedGradScaler" not in w], (name, r["warnings"])
         for name in ("bf16_compress", "fp16_compress"):
             tag = name.split("_")[0].replace("bf16", "bfloat16").replace("fp16", "float16")
             assert f"comm hook {tag}_compress.in" in res[name]["rows"] and "reduce-scatter out" in res[name]["rows"]

@@ -148,16 +148,21 @@ def test_quant_block_without_qwz_is_warned_about(pg, caplog):
     assert caplog.text == ""
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fp16_compression_without_loss_scaling_is_warned_about(pg, caplog, dtype):
-    """fp16 on the wire underflows like fp16 weights do: the first step warns (naming
-    bf16_compress_hook as the other way out), and with bf16 weights, whose gradients fp16 cannot
-    range over, the registration itself warns."""
+@pytest.mark.parametrize("param, wire, at_registration, way_out", [
+    (torch.float32, torch.float32, None, ", or bf16_compress_hook"),
+    (torch.bfloat16, torch.float32, "param_dtype=bfloat16", ", or bf16_compress_hook"),
+    (torch.float32, torch.bfloat16, "reduce_dtype=bfloat16", ", or bf16_compress_hook"),
+    (torch.float32, torch.float16, None, ", or reduce_dtype=torch.float32 with bf16_compress_hook"),
+])
+def test_fp16_compression_without_loss_scaling_is_warned_about(pg, caplog, param, wire, at_registration, way_out):
+    """fp16 on the wire underflows like fp16 weights do: the first step warns, naming every change
+    that removes fp16 from the run; a bf16 run (weights or gradient buffers), whose gradients fp16
+    cannot range over and which has no loss scaling, is warned about at registration."""
     import logging
 
     from yashard import comm_hooks
 
-    sm = yashard.shard(build(), config=yashard.ShardConfig(param_dtype=dtype))
+    sm = yashard.shard(build(), config=yashard.ShardConfig(param_dtype=param, reduce_dtype=wire))
     opt = torch.optim.SGD(sm.parameters(), lr=1e-2)
     with caplog.at_level(logging.WARNING, logger="yashard"):
         sm.register_comm_hook(None, comm_hooks.fp16_compress_hook)
@@ -165,9 +170,13 @@ def test_fp16_compression_without_loss_scaling_is_warned_about(pg, caplog, dtype
         ids = batches(1, 2, 8, sm.module.config.vocab_size)[0]
         sm(input_ids=ids, labels=ids).loss.backward()
         opt.step()
-    assert ("fp16_compress_hook with param_dtype=bfloat16" in registered) == (dtype == torch.bfloat16), registered
-    assert ("comm hook fp16_compress_hook without yashard.ShardedGradScaler" in caplog.text
-            and "ShardedGradScaler(model), or bf16_compress_hook" in caplog.text), caplog.text
+    if at_registration is None:
+        assert registered == ""
+    else:
+        assert f"fp16_compress_hook with {at_registration}: the gradients go over the wire in float16" in registered
+    step = [r.getMessage() for r in caplog.records if "without yashard.ShardedGradScaler" in r.getMessage()]
+    assert len(step) == 1 and "comm hook fp16_compress_hook without" in step[0], step
+    assert step[0].endswith("ShardedGradScaler(model)" + way_out), step[0]
 
 
 def test_a_compression_hook_on_16_bit_gradients_needs_nothing_at_one_rank(pg):

@@ -343,13 +343,15 @@ def check_loss_scaling(rt, optimizer) -> None:
     if fp16 and not rt.warned_fp16:
         rt.warned_fp16 = True
         if rt.comm.rank == 0:
-            way_out = [] if rt.config.param_dtype == torch.float16 else \
-                ["reduce_dtype=torch.float32" if rt.config.wire_dtype == torch.float16 else "bf16_compress_hook"]
+            way_out = []  # (fp16 weights: loss scaling is the only way)
+            if rt.config.param_dtype != torch.float16:
+                way_out = ["reduce_dtype=torch.float32"] if rt.config.wire_dtype == torch.float16 else []
+                way_out += ["bf16_compress_hook"] if rt.comm_hook is fp16_compress_hook else []
             logger.warning(
                 "%s without yashard.ShardedGradScaler: fp16 gradients underflow (and overflow to inf) without "
                 "loss scaling, and torch.amp.GradScaler decides per rank (ranks holding other shards skip other "
                 "steps: they drift apart or wait in a collective the others skipped). Use scaler = "
-                "yashard.ShardedGradScaler(model)%s", " and ".join(fp16), "".join(f", or {w}" for w in way_out))
+                "yashard.ShardedGradScaler(model)%s", " and ".join(fp16), f", or {' with '.join(way_out)}" if way_out else "")
 
 
 def _after_step(optimizer, args, kwargs):

@@ -1248,11 +1248,17 @@ class Runtime:
                 "were reduced by the default hook)"
             )
         self._check_same_hook(state, hook)
-        if hook is fp16_compress_hook and self.config.param_dtype == torch.bfloat16 and self.comm.rank == 0:
+        if self._loaded_hook_state is not None:  # load_checkpoint came first: resume this hook's state now
+            self._load_hook_state(state, self._loaded_hook_state)  # (raises before anything is registered)
+            self._loaded_hook_state = None
+        bf16 = [f"{k}=bfloat16" for k, d in (("param_dtype", self.config.param_dtype),
+                                             ("reduce_dtype", self.config.wire_dtype)) if d == torch.bfloat16]
+        if hook is fp16_compress_hook and bf16 and self.comm.rank == 0:
             logger.warning(
-                "yashard: fp16_compress_hook with param_dtype=bfloat16: the gradients go over the wire in float16, "
-                "whose range (largest 65504, smallest normal 6.1e-05) is far narrower than bfloat16's, so large "
-                "gradients overflow to inf and small ones flush toward zero: use bf16_compress_hook (same bytes)")
+                "yashard: fp16_compress_hook with %s: the gradients go over the wire in float16, whose range "
+                "(largest 65504, smallest normal 6.1e-05) is far narrower than bfloat16's, and a bf16 run has no "
+                "loss scaling to keep them inside it, so large gradients overflow to inf and small ones flush "
+                "toward zero: use bf16_compress_hook (16 bits on the wire too, with bfloat16's range)", " and ".join(bf16))
         if self.direct_grads:  # a hook reduces from the gradient slots: give them their buffers
             self._allocate_grad_slots()
         self.comm_hook, self.comm_hook_state = hook, state
@@ -1265,9 +1271,6 @@ class Runtime:
                 "a different sequence of collectives: look for the first error on the other ranks"
             )
         self._hook_registered = True
-        if self._loaded_hook_state is not None:  # load_checkpoint came first: resume this hook's state now
-            state_dict, self._loaded_hook_state = self._loaded_hook_state, None
-            self.restore_hook_state(state_dict)
         self._workspaces.clear()  # the default hook's buffers; the new hook asks for its own
         self._plan_hook_workspaces()
 
@@ -1280,35 +1283,46 @@ class Runtime:
         return get() if callable(get) else None
 
     def restore_hook_state(self, state_dict: dict | None) -> None:
-        """Give a checkpoint's comm hook state (``state.state_dict()`` at the save) to the registered
-        hook's state, or keep it for a hook registered later (before the first forward): the order of
-        ``load_checkpoint`` and ``register_comm_hook`` does not matter. A state that cannot take it is
-        warned about, never silently dropped."""
-        if state_dict is None:
-            return
+        """Give a checkpoint's comm hook state (``state.state_dict()`` at the save; None: it had none)
+        to the registered hook's state, or keep it for a hook registered later (before the first
+        forward): the order of ``load_checkpoint`` and ``register_comm_hook`` does not matter. A
+        state that nothing can take is warned about, never silently dropped."""
         if not self._hook_registered:
-            self._loaded_hook_state = state_dict
-            if self.grad_fwd_id > 0:  # (too late to register one)
-                self._drop_loaded_hook_state()
-            return
-        load = getattr(self.comm_hook_state, "load_state_dict", None)
-        if callable(load):
-            load(state_dict)
-        elif self.comm.rank == 0:
-            logger.warning(
-                "yashard: the checkpoint carries comm hook state %s, but the registered hook's state (%s) has no "
-                "load_state_dict, so it starts afresh: register the hook and state the run was saved with "
-                "(for example comm_hooks.QgzState with qgz_hook) to resume it", _brief(state_dict),
-                type(self.comm_hook_state).__name__)
+            self._loaded_hook_state = state_dict  # (a later load replaces an earlier one's, None included)
+            if state_dict is not None and self.grad_fwd_id > 0:  # too late to register a hook for it
+                self._drop_loaded_hook_state(late=True)
+        elif state_dict is not None:
+            self._load_hook_state(self.comm_hook_state, state_dict)
 
-    def _drop_loaded_hook_state(self) -> None:
+    def _load_hook_state(self, state, state_dict: dict) -> None:
+        load = getattr(state, "load_state_dict", None)
+        if not callable(load):
+            if self.comm.rank == 0:
+                logger.warning(
+                    "yashard: the checkpoint carries comm hook state %s, but the registered hook's state (%s) has no "
+                    "load_state_dict, so it starts afresh: register the hook and state the run was saved with "
+                    "(for example comm_hooks.QgzState with qgz_hook) to resume it", _brief(state_dict),
+                    type(state).__name__)
+            return
+        try:
+            load(state_dict)
+        except Exception as e:  # noqa: BLE001 - re-raised with both sides named
+            raise ValueError(
+                f"the checkpoint's comm hook state {_brief(state_dict)} does not load into the hook state "
+                f"{type(state).__name__} ({type(e).__name__}: {e}): register the hook and state the run was saved "
+                "with, or one whose load_state_dict takes this") from e
+
+    def _drop_loaded_hook_state(self, late: bool = False) -> None:
         """A forward ran without a hook to take a checkpoint's comm hook state: say so."""
         state_dict, self._loaded_hook_state = self._loaded_hook_state, None
         if self.comm.rank == 0:
+            fix = ("load the checkpoint into a freshly sharded model and call register_comm_hook with the run's hook "
+                   "before its first forward" if late else
+                   "call register_comm_hook with the run's hook before the first forward")
             logger.warning(
                 "yashard: the checkpoint was saved with a stateful comm hook (state %s), but no hook was registered "
-                "before the first forward, so gradients are reduced by the default hook: call register_comm_hook "
-                "with the run's hook before training to resume it", _brief(state_dict))
+                "before the first forward, so gradients are reduced by the default hook: to resume it, %s",
+                _brief(state_dict), fix)
 
     def _allocate_grad_slots(self) -> None:
         """Leave the in-place gradient path (:func:`direct_grads`): before the first forward, the

@@ -197,13 +197,10 @@ def saved_extra(ckpt: Path) -> dict | None:
         return None
 
 
-def _freeze_patterns(patterns: str | None) -> list[str]:
-    return sorted({p.strip() for p in (patterns or "").split(",") if p.strip()})
-
-
 def resume_problem(cfg: TrainConfig, extra: dict | None, ckpt: Path) -> str | None:
     """Why ``cfg`` cannot resume from the checkpoint whose ``extra`` (see :func:`saved_extra`) is
-    given, with the fix; None if it can."""
+    given, with the fix; None if it can. (What --freeze froze is compared once the model is built:
+    :func:`freeze_problem`.)"""
     if extra is None:
         return None
     step = int(extra["step"])
@@ -218,24 +215,60 @@ def resume_problem(cfg: TrainConfig, extra: dict | None, ckpt: Path) -> str | No
                 f"--steps {cfg.steps}" if step < cfg.steps else "leave --stop-at out: the run is complete")
         return (f"--stop-at {cfg.stop_at} is at or before step {step}, where the checkpoint in {ckpt} was saved: a "
                 f"resumed run starts after step {step}; {more}")
-    if "freeze" in extra and _freeze_patterns(extra["freeze"]) != _freeze_patterns(cfg.freeze):
-        saved = ",".join(_freeze_patterns(extra["freeze"]))
-        was = f"--freeze {saved}" if saved else "no --freeze"
-        keep = f"pass --freeze {saved}" if saved else "leave --freeze out"
-        now = f"--freeze {cfg.freeze}" if _freeze_patterns(cfg.freeze) else "no --freeze"
-        return (f"{now}, but the checkpoint in {ckpt} was trained with {was}: the optimizer's parameter groups and "
-                f"state are those of the parameters it trained. To continue it, {keep}; to train other parameters "
-                "from its weights, start a new run from its export (--model <out-dir>/final, another --out-dir)")
     return None
 
 
 def _saved_steps(out_dir: Path) -> int | None:
     """--steps of the run that last wrote ``out_dir/config.json``, if it says."""
-    try:
-        steps = json.loads((out_dir / "config.json").read_text(encoding="utf-8")).get("steps")
-    except (OSError, ValueError, AttributeError):
-        return None
+    steps = _saved_config(out_dir).get("steps")
     return steps if isinstance(steps, int) else None
+
+
+def frozen_names(model) -> list[str]:
+    """The names of the model's frozen parameters (tied ones under each name), sorted."""
+    return sorted(n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad)
+
+
+def freeze_problem(cfg: TrainConfig, model, extra: dict | None, ckpt: Path) -> str | None:
+    """Why the parameters --freeze froze in ``model`` are not those the checkpoint's run froze (its
+    ``extra["frozen"]``; for a checkpoint saved before that was recorded, the names its run's --freeze
+    patterns match, from ``extra`` or the run's config.json), with the fix; None if they are, or if
+    the checkpoint does not say. Other patterns that freeze the same parameters are fine."""
+    if extra is None:
+        return None
+    saved = extra.get("frozen")
+    patterns = extra["freeze"] if "freeze" in extra else _saved_config(Path(cfg.out_dir)).get("freeze", ...)
+    if saved is None:
+        if patterns is ...:
+            return None
+        wanted = [p.strip() for p in (patterns or "").split(",") if p.strip()]
+        saved = sorted(n for n, _ in model.named_parameters(remove_duplicate=False) if any(w in n for w in wanted))
+    now = frozen_names(model)
+    if saved == now:
+        return None
+
+    def some(names: list[str]) -> str:
+        return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+    newly, thawed = sorted(set(now) - set(saved)), sorted(set(saved) - set(now))
+    differs = " and ".join(part for part in (
+        f"freezes {some(newly)}, which that run trained" if newly else "",
+        f"trains {some(thawed)}, which that run froze" if thawed else "") if part)
+    keep = ("leave --freeze out" if not saved else f"pass --freeze {patterns}" if isinstance(patterns, str) and patterns
+            else "pass --freeze patterns that freeze those")
+    return (f"{f'--freeze {cfg.freeze}' if cfg.freeze else 'this run (no --freeze)'} does not freeze what the run that saved the checkpoint in {ckpt} froze: "
+            f"it {differs}. The optimizer's parameter groups and state are those of the parameters that run trained. "
+            f"To continue it, {keep}; to train other parameters from its weights, start a new run from its export "
+            "(--model <out-dir>/final, another --out-dir)")
+
+
+def _saved_config(out_dir: Path) -> dict:
+    """The run configuration last written to ``out_dir/config.json`` ({} if none can be read)."""
+    try:
+        saved = json.loads((out_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return saved if isinstance(saved, dict) else {}
 
 
 # --------------------------------------------------------------------------------------------
@@ -507,6 +540,7 @@ class Session:
     global_batch: int
     tokens_per_step: int
     start_step: int = 0
+    frozen: list[str] = field(default_factory=list)  # names of the parameters --freeze froze (saved with checkpoints)
 
     @property
     def is_main(self) -> bool:
@@ -533,6 +567,12 @@ def setup(cfg: TrainConfig) -> Session:
     hf_model = build_model(cfg, tok)
     n_params = sum(p.numel() for p in hf_model.parameters())
     n_frozen = freeze(hf_model, cfg.freeze)
+    frozen_params = frozen_names(hf_model)  # (before sharding: the names the checkpoint records)
+    if cfg.resume:  # the parameters the checkpoint's run trained, before anything is sharded
+        problem = freeze_problem(cfg, hf_model, saved_extra(Path(cfg.out_dir) / "checkpoint"),
+                                 Path(cfg.out_dir) / "checkpoint")
+        if problem:
+            raise ValueError(problem)
     warning = position_warning(hf_model.config, cfg.seq_len)   # --model: its weights never saw those positions
     if is_main and warning:
         print(warning)
@@ -590,7 +630,8 @@ def setup(cfg: TrainConfig) -> Session:
             if saved is not None and saved != global_batch:
                 print(f"WARNING: the checkpoint was trained with a global batch of {saved} sequences, this run uses "
                       f"{global_batch} (--micro-batch {cfg.micro_batch} per rank x --accum-steps {cfg.accum_steps} x "
-                      f"world size {world_size}): the batches and the loss curve differ from the uninterrupted run. "
+                      f"world size {world_size}): the batches, the held-out batches (eval_loss) and the loss curve differ "
+                      "from the uninterrupted run. "
                       f"Choose --micro-batch and --accum-steps so that their product times the world size is {saved} "
                       "to keep it")
     elif cfg.resume and is_main:
@@ -608,7 +649,7 @@ def setup(cfg: TrainConfig) -> Session:
               f"{global_batch} x {cfg.seq_len} = {tokens_per_step:,} tokens/step")
         print(model.memory_plan())
     return Session(cfg, rank, world_size, device, tok, train_data, held_out, hf_model, model, opt, scaler,
-                   out_dir, global_batch, tokens_per_step, start_step)
+                   out_dir, global_batch, tokens_per_step, start_step, frozen_params)
 
 
 # --------------------------------------------------------------------------------------------
@@ -734,7 +775,8 @@ def train_loop(s: Session, profiler=None) -> list[dict]:
         # --stop-at always saves (a stopped run is continued with --resume), even with --save-every 0
         if (stop and cfg.stop_at is not None) or (cfg.save_every > 0 and ((step + 1) % cfg.save_every == 0 or stop)):
             with record_function("yashard::save_checkpoint"):
-                extra = {"step": step + 1, "global_batch": s.global_batch, "freeze": s.cfg.freeze}
+                extra = {"step": step + 1, "global_batch": s.global_batch, "freeze": s.cfg.freeze,
+                         "frozen": s.frozen}
                 if s.scaler.is_enabled():
                     extra["grad_scaler"] = s.scaler.state_dict()
                 yashard.save_checkpoint(s.out_dir / "checkpoint", s.model, s.opt, extra=extra)

@@ -140,22 +140,22 @@ def test_pretrain_log_and_loss_trend(pretrain_run):
 
 
 def test_pretrain_checkpoint_reproduces_the_final_eval_loss(pretrain_run):
-    """final/ loads with from_pretrained and scores the held-out batches as the run did."""
+    """final/ loads with from_pretrained and scores the held-out batches as the run did: global
+    batches of the run's micro-batch x accumulation x world sequences, every token scored."""
     from transformers import AutoModelForCausalLM
 
     out, _ = pretrain_run
     model = AutoModelForCausalLM.from_pretrained(out / "final")
     assert model.config.tie_word_embeddings and model.config.vocab_size == 300
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
-    cfg = pretrain.parse_config(COMMON)  # the run's data and eval options
+    cfg = pretrain.parse_config(PRETRAIN_ARGS)  # the run's data, batch and eval options
     _, held_out, _ = data.build_datasets(None, data.ByteTokenizer(), cfg.seq_len, cfg.eval_fraction, cfg.max_bytes)
-    world = 2
+    global_batch = cfg.micro_batch * cfg.accum_steps * 2  # (world 2)
     losses = []
     with torch.no_grad():
-        for i in range(cfg.eval_batches):
-            batch = held_out.global_batch(cfg.seed, i, cfg.micro_batch * world, stream=data.EVAL_STREAM)
-            for r in range(world):
-                losses.append(model(**data.rank_slice(batch, r, world)).loss.item())
+        for i in range(cfg.eval_batches):  # (equal token counts: the mean of the batch means is the token mean)
+            batch = held_out.global_batch(cfg.seed, i, global_batch, stream=data.EVAL_STREAM)
+            losses.append(model(**batch).loss.item())
     reported = read_log(out / "log.jsonl")[-1]["eval_loss"]
     assert sum(losses) / len(losses) == pytest.approx(reported, rel=1e-4, abs=1e-4)
 
@@ -310,7 +310,7 @@ def test_finetune_with_frozen_embedding_and_first_layer(pretrain_run, tmp_path):
     assert all(not torch.equal(after[k], before[k]) for k in before if k not in frozen)
 
 
-def test_freeze_option_errors():
+def test_freeze_option_errors(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in TINY_CONFIG.items() if k not in ("model_type", "architectures")}))
@@ -326,14 +326,38 @@ def test_freeze_option_errors():
     model.requires_grad_(True)
     assert train.freeze(model, "lm_head") == model.lm_head.weight.numel()  # a tied name
     assert not model.model.embed_tokens.weight.requires_grad
-    # a resumed run must freeze what the checkpoint's run froze (the same patterns in any order and spacing)
-    saved, ckpt = {"step": 2, "freeze": "layers.0.,embed_tokens"}, Path("run/checkpoint")
-    cfg = finetune.FinetuneConfig(steps=8, freeze=" embed_tokens,layers.0.")
-    assert train.resume_problem(cfg, saved, ckpt) is None
-    assert train.resume_problem(finetune.FinetuneConfig(steps=8), {"step": 2}, ckpt) is None  # (saved before --freeze was)
-    problem = train.resume_problem(finetune.FinetuneConfig(steps=8), saved, ckpt)
-    assert problem.startswith("no --freeze, but the checkpoint in run/checkpoint was trained with --freeze "
-                              "embed_tokens,layers.0.:") and "To continue it, pass --freeze embed_tokens,layers.0.;" in problem
+    # a resumed run must freeze what the checkpoint's run froze, however the patterns spell it
+    model.requires_grad_(True)
+    train.freeze(model, "layers.0,embed_tokens")
+    ckpt = Path("run/checkpoint")
+    saved = {"step": 2, "freeze": "embed_tokens,layers.0.", "frozen": train.frozen_names(model)}
+    assert train.freeze_problem(finetune.FinetuneConfig(freeze="layers.0,embed_tokens"), model, saved, ckpt) is None
+    model.requires_grad_(True)
+    train.freeze(model, "layers.1.")
+    problem = train.freeze_problem(finetune.FinetuneConfig(freeze="layers.1."), model, saved, ckpt)
+    assert problem == (
+        "--freeze layers.1. does not freeze what the run that saved the checkpoint in run/checkpoint froze: it freezes "
+        "model.layers.1.input_layernorm.weight, model.layers.1.mlp.down_proj.weight, model.layers.1.mlp.gate_proj.weight "
+        "and 6 more, which that run trained and trains lm_head.weight, model.embed_tokens.weight, "
+        "model.layers.0.input_layernorm.weight and 8 more, which that run froze. The optimizer's parameter groups and "
+        "state are those of the parameters that run trained. To continue it, pass --freeze embed_tokens,layers.0.; to "
+        "train other parameters from its weights, start a new run from its export (--model <out-dir>/final, another "
+        "--out-dir)"), problem
+    model.requires_grad_(True)
+    assert train.freeze_problem(finetune.FinetuneConfig(), model, saved, ckpt).startswith(
+        "this run (no --freeze) does not freeze what the run that saved the checkpoint in run/checkpoint froze: it "
+        "trains lm_head.weight, ")
+    train.freeze(model, "layers.1.")
+    # a checkpoint saved before the names were recorded: its run's patterns (extra, else config.json) stand for them
+    assert train.freeze_problem(finetune.FinetuneConfig(freeze="layers.1."), model, {"step": 2, "freeze": "layers.1"},
+                                ckpt) is None
+    assert "which that run trained. The optimizer's" in train.freeze_problem(
+        finetune.FinetuneConfig(freeze="layers.1."), model, {"step": 2, "freeze": None}, ckpt)
+    assert train.freeze_problem(finetune.FinetuneConfig(out_dir=str(tmp_path), freeze="layers.1."), model,
+                                {"step": 2}, ckpt) is None  # (nothing says what the run froze)
+    (tmp_path / "config.json").write_text(json.dumps({"freeze": "embed"}))
+    assert "which that run froze. The optimizer's" in train.freeze_problem(
+        finetune.FinetuneConfig(out_dir=str(tmp_path), freeze="layers.1."), model, {"step": 2}, ckpt)
 
 
 # --------------------------------------------------------------------------------------------
@@ -553,8 +577,7 @@ def _usage_error(module, argv, capsys) -> str:
 
 
 def test_resume_options_past_the_checkpoint_are_refused_before_the_run(pretrain_run, capsys):
-    """--resume with --stop-at or --steps at or before the checkpoint's step (16 here), or with
-    another --freeze than the run's, exits with a usage error."""
+    """--resume with --stop-at or --steps at or before the checkpoint's step (16 here) exits with a usage error."""
     out = str(pretrain_run[0])
     ckpt = re.escape(str(pretrain_run[0] / "checkpoint"))
     resume = ["--out-dir", out, "--resume", "true"]
@@ -566,10 +589,6 @@ def test_resume_options_past_the_checkpoint_are_refused_before_the_run(pretrain_
     err = _usage_error(pretrain, [*resume, "--steps", "4"], capsys)
     assert re.search(rf"--steps 4 is below step 16, where the checkpoint in {ckpt} was saved, so --resume true has "
                      r"nothing to train: pass --steps 16 to continue the run", err), err
-    err = _usage_error(pretrain, [*resume, "--steps", "20", "--freeze", "embed_tokens"], capsys)
-    assert re.search(rf"--freeze embed_tokens, but the checkpoint in {ckpt} was trained with no --freeze: the "
-                     r"optimizer's parameter groups and state are those of the parameters it trained\. To continue it, "
-                     r"leave --freeze out; to train other parameters from its weights, start a new run", err), err
     assert pretrain.parse_config([*resume, "--steps", "20", "--stop-at", "17"]).stop_at == 17
     assert pretrain.parse_config(["--out-dir", out, "--steps", "4", "--stop-at", "2"]).steps == 4  # no --resume
 
@@ -737,6 +756,11 @@ def test_resume_with_another_global_batch_and_a_fresh_run_over_a_checkpoint_warn
                      r"\(--micro-batch 1 per rank x --accum-steps 1 x world size 2\)", stdout), stdout
     assert "note: --weight-decay 0.5 applies from step 2 on; the checkpoint was trained with 0.1" in stdout, stdout
     assert _saved_weight_decay(out) == [0.5, 0.0]   # what step 2 trained with (the no-decay group stays 0)
+    # --freeze that differs from the checkpoint's run (which froze nothing): refused before sharding
+    proc = _torchrun(ROOT / "recipes" / "pretrain.py", [*args, "--micro-batch", "1", "--stop-at", "3", "--resume",
+                                                        "true", "--freeze", "embed_tokens"])
+    assert proc.returncode != 0 and "ValueError: --freeze embed_tokens does not freeze what the run that saved the " \
+        "checkpoint in" in proc.stderr, proc.stderr[-3000:]
     stdout = run_recipe("pretrain.py", *args, "--micro-batch", "2", "--stop-at", "1")
     assert re.search(r"WARNING: .*checkpoint holds a checkpoint and this run starts at step 0 without --resume true",
                      stdout), stdout

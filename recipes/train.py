@@ -224,6 +224,11 @@ def _saved_steps(out_dir: Path) -> int | None:
     return steps if isinstance(steps, int) else None
 
 
+def _freeze_patterns(patterns: str | None) -> list[str]:
+    """The comma-separated --freeze ``patterns``, stripped, empty ones dropped."""
+    return [p.strip() for p in (patterns or "").split(",") if p.strip()]
+
+
 def frozen_names(model) -> list[str]:
     """The names of the model's frozen parameters (tied ones under each name), sorted."""
     return sorted(n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad)
@@ -241,7 +246,7 @@ def freeze_problem(cfg: TrainConfig, model, extra: dict | None, ckpt: Path) -> s
     if saved is None:
         if patterns is ...:
             return None
-        wanted = [p.strip() for p in (patterns or "").split(",") if p.strip()]
+        wanted = _freeze_patterns(patterns)
         saved = sorted(n for n, _ in model.named_parameters(remove_duplicate=False) if any(w in n for w in wanted))
     now = frozen_names(model)
     if saved == now:
@@ -256,8 +261,9 @@ def freeze_problem(cfg: TrainConfig, model, extra: dict | None, ckpt: Path) -> s
         f"trains {some(thawed)}, which that run froze" if thawed else "") if part)
     keep = ("leave --freeze out" if not saved else f"pass --freeze {patterns}" if isinstance(patterns, str) and patterns
             else "pass --freeze patterns that freeze those")
-    return (f"{f'--freeze {cfg.freeze}' if cfg.freeze else 'this run (no --freeze)'} does not freeze what the run that saved the checkpoint in {ckpt} froze: "
-            f"it {differs}. The optimizer's parameter groups and state are those of the parameters that run trained. "
+    this_run = f"--freeze {cfg.freeze}" if cfg.freeze else "this run (no --freeze)"
+    return (f"{this_run} does not freeze what the run that saved the checkpoint in {ckpt} froze: it {differs}. "
+            "The optimizer's parameter groups and state are those of the parameters that run trained. "
             f"To continue it, {keep}; to train other parameters from its weights, start a new run from its export "
             "(--model <out-dir>/final, another --out-dir)")
 
@@ -501,7 +507,7 @@ def freeze(model, patterns: str | None) -> int:
     that matches nothing, or patterns that leave nothing to train, raise ValueError."""
     if not patterns:
         return 0
-    wanted = [p.strip() for p in patterns.split(",") if p.strip()]
+    wanted = _freeze_patterns(patterns)
     named = list(model.named_parameters(remove_duplicate=False))  # (a tied lm_head.weight under its name too)
     for pattern in wanted:
         if not any(pattern in name for name, _ in named):

@@ -119,8 +119,7 @@ class Runtime:
                 "yashard: secondary_group_size=%d (hpZ) equals the shard group's size, so the backward re-gathers "
                 "run over the same ranks as without it, and each rank keeps a layer slice in param_dtype for nothing: "
                 "use a smaller group (the ranks of one node) or drop secondary_group_size", comm.shard_world)
-        default_block = next(f.default for f in dataclasses.fields(ShardConfig) if f.name == "quant_block")
-        if config.quant_block != default_block and not config.quantized_weights:
+        if config.quant_block != ShardConfig.quant_block and not config.quantized_weights:  # (the field's default)
             logger.warning(
                 "yashard: quant_block=%d is ignored: it sizes qwZ's quantization blocks and quantized_weights is off "
                 "(set quantized_weights=8 or 4, or drop quant_block; qgZ's block is QgzState(block=))",

@@ -126,6 +126,14 @@ def test_medians_spread_and_headroom_share():
     assert br.exposed_share(2.0, 1.5) == 0.25
 
 
+def test_plan_gap_note_flags_a_steady_increment_well_above_the_plan():
+    mib = 2**20
+    assert benchmark.plan_gap_note(46 * mib, 48 * mib) == ""  # within 4 MiB
+    assert benchmark.plan_gap_note(800 * mib, 830 * mib) == ""  # within 5%
+    note = benchmark.plan_gap_note(46 * mib, 63 * mib)
+    assert "17.0 MiB above the plan" in note and "prime()" in note
+
+
 # ---------------------------------------------------------------------------------------- ZeRO++ accounting
 def test_volume_terms_split_by_phase_op_and_group():
     recs = [("fwd", "all_gather", "layer_0", 0, 100, "world"), ("fwd", "all_gather", "embed", 0, 50, "world"),

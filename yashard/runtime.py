@@ -1155,10 +1155,12 @@ class Runtime:
         plan = getattr(self.comm_hook, "workspace_plan", None)
         if plan is None:
             return
+        by_unit = _takes_keyword(plan, "unit")  # (a plan that treats units differently: see comm_hooks)
         for u in self.units:
             if u.grad_storage is None:  # (never reduced: all its parameters frozen)
                 continue
-            for name, numel, dtype in plan(self.comm_hook_state, self.comm, u.layout.padded, self.config.wire_dtype):
+            args = (self.comm_hook_state, self.comm, u.layout.padded, self.config.wire_dtype)
+            for name, numel, dtype in plan(*args, unit=u.name) if by_unit else plan(*args):
                 if name == "output":
                     self._reduce_output(0)
                 else:
@@ -1482,6 +1484,19 @@ class Runtime:
 def _brief(state_dict: dict, limit: int = 120) -> str:
     text = repr(state_dict)
     return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _takes_keyword(fn, name: str) -> bool:
+    """Whether ``fn`` accepts the keyword argument ``name`` (False when its signature is unreadable)."""
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params and params[name].kind in (inspect.Parameter.KEYWORD_ONLY,
+                                                    inspect.Parameter.POSITIONAL_OR_KEYWORD) \
+        or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def direct_grads(direct: bool, dp_world: int, config: ShardConfig) -> bool:

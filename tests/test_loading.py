@@ -71,6 +71,50 @@ def test_meta_init_gemma_style():
         assert torch.equal(got[n], p.detach()), n
 
 
+class _ZeroLinear(torch.nn.Linear):
+    """A zero-initialised adapter (LoRA-B style): its own reset_parameters zeroes it."""
+
+    def reset_parameters(self):
+        torch.nn.init.zeros_(self.weight)
+
+
+def test_meta_init_of_modules_added_after_from_config():
+    """Modules added to (or put in place of one in) an HF model after from_config were constructed,
+    on the CPU, after the whole model's initialisation, which never touched them: the replay draws
+    them last, by their own reset_parameters, and every other parameter keeps its value (before,
+    HF's _init_weights reinitialised the adapters in the middle of the draws: the zero adapter came
+    out random and 31 of 40 parameters differed)."""
+    from yashard.materialize import added_modules, replay_initialisation
+
+    def build(device):
+        torch.manual_seed(5)
+        with torch.device(device):
+            m = AutoModelForCausalLM.from_config(tiny_config("llama"))
+            m.model.layers[0].mlp.adapter = _ZeroLinear(32, 32, bias=False)
+            m.model.layers[1].self_attn.o_proj = torch.nn.Linear(32, 32, bias=True)  # replaced
+            m.model.layers[1].extra = torch.nn.Sequential(torch.nn.Linear(32, 8), torch.nn.Linear(8, 32))
+        return m
+
+    ref = build("cpu")
+    ref_after = torch.rand(4)
+    meta = build("meta")
+    added = [(n, type(m), type(r)) for n, m, r in added_modules(meta)]
+    assert added == [("model.layers.0.mlp.adapter", _ZeroLinear, type(None)),
+                     ("model.layers.1.self_attn.o_proj", torch.nn.Linear, torch.nn.Linear),
+                     ("model.layers.1.extra", torch.nn.Sequential, type(None))], added
+    names = {}
+    for n, p in meta.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    got = {}
+    torch.manual_seed(5)
+    replay_initialisation(meta, lambda m, v: got.update({n: v.clone() for n in names[id(m)]}))
+    assert torch.equal(torch.rand(4), ref_after)  # the RNG advanced as the CPU build advanced it
+    for n, p in ref.named_parameters(remove_duplicate=False):
+        assert torch.equal(got[n], p.detach()), n
+    assert not got["model.layers.0.mlp.adapter.weight"].any()
+    assert added_modules(AutoModelForCausalLM.from_config(tiny_config("llama"))) == []
+
+
 @pytest.fixture(scope="module")
 def hf_folders(tmp_path_factory):
     """An HF folder written by save_pretrained: sharded (index.json) fp32, and a single bf16 file."""

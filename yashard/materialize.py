@@ -320,6 +320,47 @@ def _own_reset(module: nn.Module):
     return getattr(type(module), "reset_parameters", None)
 
 
+def added_modules(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module | None]]:
+    """The submodules of an HF model that its class does not build from its config (added, or put in
+    place of one, after the model was built), outermost only, in the model's order, as ``(name,
+    module, replaced)``: ``replaced`` is the module the class builds at that name (on the meta
+    device), or None. On the CPU their constructors drew after the whole model's initialisation,
+    which never touched them, and the modules they replaced were drawn and initialised in the model's
+    sequence. Compared by name, type and own parameters' names and shapes with the same class built
+    from a copy of the config on the meta device (which draws nothing); a module put in place of one
+    of the same type and shapes cannot be told apart, and is initialised as the model's own. Empty
+    for models that are not HF ``PreTrainedModel``s or cannot be rebuilt from their config."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(type(model), "_init_weights"):
+        return []
+    state = torch.get_rng_state()
+    try:
+        with torch.device("meta"):
+            reference = type(model)(copy.deepcopy(config))
+    except Exception:  # noqa: BLE001 - a class that needs more than its config: no comparison
+        return []
+    finally:
+        torch.set_rng_state(state)
+
+    def signature(m: nn.Module) -> tuple:
+        return type(m), tuple((n, tuple(p.shape)) for n, p in m._parameters.items() if p is not None)
+
+    built = dict(reference.named_modules())
+    added = []
+    for name, module in model.named_modules():
+        if any(name.startswith(r + ".") for r, _, _ in added):
+            continue
+        original = built.get(name)
+        if original is None or signature(original) != signature(module):
+            added.append((name, module, original))
+    if added:
+        logger.info("yashard: meta-device init: %s not built by %s(config): initialised by their own "
+                    "reset_parameters after the rest of the model, as a CPU build that added them after "
+                    "from_config draws them", ", ".join(n for n, _, _ in added[:4]) + (" ..." if len(added) > 4 else ""),
+                    type(model).__name__)
+    return added
+
+
 class _Replay:
     """Replays, parameter by parameter, what building a model on the CPU does to it and to the RNG.
 
@@ -342,10 +383,27 @@ class _Replay:
         self.unset: list[str] = []
         self.buffers: list[tuple[str, nn.Module, str]] = []  # materialised here: checked by check_buffers
         self.names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+        self.added = added_modules(model)              # built after the model: drawn after it, no HF init
+        self.added_ids = {id(m) for _, m, _ in self.added}
+        self.stand_ins: set[int] = set()               # id(param) of replaced modules: drawn, not delivered
+
+    def _put(self, name: str, module: nn.Module) -> None:
+        parent, _, child = name.rpartition(".")
+        setattr(self.model.get_submodule(parent) if parent else self.model, child, module)
 
     def run(self) -> None:
+        replaced = [(n, m, r) for n, m, r in self.added if r is not None]
         with torch.no_grad(), _init_guard():
-            self.construct(self.model)
+            try:  # the modules replaced after from_config are drawn in their place, and thrown away
+                for name, _, original in replaced:
+                    self._put(name, original)
+                    self.stand_ins.update(id(p) for p in original.parameters())
+                self.construct(self.model)
+            finally:
+                for name, module, _ in replaced:
+                    self._put(name, module)
+            for _, module, _ in self.added:  # as on the CPU: constructed after from_config, in model order
+                self.construct(module)
             # Modules outside any HF model (plain torch models): their constructor values are final.
             for module in self.model.modules():
                 if id(module) not in self.done:
@@ -360,7 +418,8 @@ class _Replay:
 
     def construct(self, module: nn.Module) -> None:
         for child in module.children():
-            self.construct(child)
+            if id(child) not in self.added_ids:
+                self.construct(child)
         reset = _own_reset(module)
         if reset is not None and any(p.is_meta for p in module._parameters.values() if p is not None):
             self.snapshots[id(module)] = torch.get_rng_state()
@@ -374,7 +433,8 @@ class _Replay:
 
     def hf_init(self, module: nn.Module, fn) -> None:
         for child in module.children():
-            self.hf_init(child, _hf_init_fn(child) or fn)
+            if id(child) not in self.added_ids:
+                self.hf_init(child, _hf_init_fn(child) or fn)
         if id(module) not in self.done:
             self.finalise(module, fn)
 
@@ -408,7 +468,7 @@ class _Replay:
         for pname, meta in metas.items():
             value = module._parameters[pname].detach()
             module._parameters[pname] = meta
-            if id(meta) in self.delivered:
+            if id(meta) in self.delivered or id(meta) in self.stand_ins:
                 continue  # tied: the first module to initialise it wins (HF ties after initialising)
             if value.is_floating_point() and torch.isnan(value).any():
                 self.unset.append(f"parameter {name}.{pname}")

@@ -149,3 +149,24 @@ def test_names_stored_under_another_layout_are_named(pg, tmp_path):
                                          r"does not have \(e.g. model.layers.0.mlp.w3.weight\).*pass that model to "
                                          r"yashard.shard"):
         yashard.shard(meta_model("llama"), weights=folder)
+
+
+def test_a_custom_code_folder_loads_with_trust_remote_code(pg, tmp_path):
+    """from_pretrained(folder, trust_remote_code=True) passes the flag to the folder's config too
+    (it was refused with transformers' advice to pass that very flag), and the config comparison
+    reads config.json with the model's own config class (no second trust prompt)."""
+    folder = tmp_path / "custom_llama"
+    model = build()
+    model.save_pretrained(folder)
+    (folder / "configuration_my.py").write_text(
+        "from transformers import LlamaConfig\n\nclass MyConfig(LlamaConfig):\n    model_type = 'myllama'\n")
+    (folder / "modeling_my.py").write_text(
+        "from transformers import LlamaForCausalLM\nfrom .configuration_my import MyConfig\n\n"
+        "class MyForCausalLM(LlamaForCausalLM):\n    config_class = MyConfig\n")
+    _edit_config(folder, model_type="myllama", architectures=["MyForCausalLM"],
+                 auto_map={"AutoConfig": "configuration_my.MyConfig",
+                           "AutoModelForCausalLM": "modeling_my.MyForCausalLM"})
+    sm = yashard.from_pretrained(folder, trust_remote_code=True)
+    assert type(sm.module).__name__ == "MyForCausalLM"
+    full = sm.full_state_dict()
+    assert all(torch.equal(full[k], v.detach()) for k, v in model.named_parameters())

@@ -478,7 +478,8 @@ def from_pretrained(path: str | os.PathLike, *, config: ShardConfig | None = Non
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    hf_config = AutoConfig.from_pretrained(os.fspath(path))
+    trust = {k: model_kwargs[k] for k in ("trust_remote_code",) if k in model_kwargs}  # (from_config takes it too)
+    hf_config = AutoConfig.from_pretrained(os.fspath(path), **trust)
     if "torch_dtype" in model_kwargs:  # (the older name of dtype)
         model_kwargs["dtype"] = model_kwargs.pop("torch_dtype")
     if "dtype" not in model_kwargs:  # a ShardConfig given names the compute dtype itself

@@ -5,7 +5,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from yashard.safetensors_io import read_flat_range, rows_covering
+from yashard.safetensors_io import SafetensorsError, SafetensorsFile, read_flat_range, rows_covering
 
 
 def test_rows_covering():
@@ -87,3 +87,26 @@ def test_aborting_a_streamed_file_on_a_full_disk_does_not_raise_again(tmp_path):
     with pytest.raises(OSError):
         w._f.flush()
     w.abort()
+
+
+def test_tensors_of_dtypes_torch_lacks_are_kept_out_until_read(tmp_path):
+    """A valid file may hold tensors of other dtypes (U16/U32/U64, F8_E8M0, C64, or one this torch has
+    no type for): the file opens and its float tensors read (before, one such entry refused the whole
+    file as a bad header); reading such a tensor names its dtype."""
+    import json
+    import struct
+
+    weight = torch.arange(6, dtype=torch.float32)
+    header = {"w": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]},
+              "counter": {"dtype": "U32", "shape": [2], "data_offsets": [24, 32]},
+              "odd": {"dtype": "F4_NEW", "shape": [4], "data_offsets": [32, 34]}}
+    blob = json.dumps(header).encode()
+    path = tmp_path / "mixed.safetensors"
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob + weight.numpy().tobytes()
+                     + torch.tensor([7, 9], dtype=torch.int32).numpy().tobytes() + b"\x00\x00")
+    f = SafetensorsFile(str(path))
+    assert set(f.keys()) == {"w", "counter", "odd"}
+    assert torch.equal(f.read("w"), weight)
+    assert f.dtype("counter") == torch.uint32 and f.read("counter").tolist() == [7, 9]
+    with pytest.raises(SafetensorsError, match="'odd' is stored as F4_NEW, a dtype this torch"):
+        f.dtype("odd")

@@ -119,7 +119,7 @@ class HFFolder:
 
     def _holding(self, name: str) -> SafetensorsFile:
         file = self._file(self.weight_map[name])
-        if name not in file.tensors:
+        if name not in file.tensors and name not in file.unreadable:
             raise ValueError(
                 f"{self.path}: model.safetensors.index.json places {name} in {self.weight_map[name]}, which does "
                 "not hold it; the index and the files come from different saves: copy the folder again"
@@ -207,7 +207,7 @@ def from_folder(folder: HFFolder, groups, layouts, masters, rank: int) -> set[st
             dtype = folder.dtype(name)
             if dtype not in FLOAT_WEIGHT_DTYPES:
                 raise ValueError(
-                    f"{folder.path}: {name} is stored as {dtype}; yashard loads float weights only (fp32, bf16, fp16) "
+                    f"{folder.path}: {name} is stored as {dtype}; yashard loads float weights only (fp32, bf16, fp16, fp64) "
                     "and would read quantized codes as numbers. Dequantize the checkpoint first"
                 )
             for other in present[1:]:  # the model ties these names: the folder must hold one tensor

@@ -20,7 +20,8 @@ _DTYPES = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool,
 }
-for _name, _attr in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2")):
+for _name, _attr in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"), ("F8_E8M0", "float8_e8m0fnu"),
+                     ("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"), ("C64", "complex64")):
     if hasattr(torch, _attr):
         _DTYPES[_name] = getattr(torch, _attr)
 
@@ -91,13 +92,22 @@ class SafetensorsFile:
         data_size = size - self.data_start
         self.tensors: dict[str, tuple[torch.dtype, tuple[int, ...], int]] = {}
         spans = []
+        self.unreadable: dict[str, str] = {}  # name -> a dtype this torch has no type for (never read)
         for name, info in header.items():
             try:
-                dtype = _DTYPES[info["dtype"]]
+                code = info["dtype"]
                 shape = tuple(int(s) for s in info["shape"])
                 start, end = (int(x) for x in info["data_offsets"])
             except (KeyError, TypeError, ValueError) as e:
                 raise SafetensorsError(f"{self.path}: bad header entry for {name!r} ({e!r})") from None
+            dtype = _DTYPES.get(code)
+            if dtype is None:  # a valid file may hold tensors of it: refused only if one is read
+                if not 0 <= start <= end <= data_size:
+                    raise SafetensorsError(f"{self.path}: tensor {name!r} claims bytes [{start}, {end}) but the data "
+                                           f"section holds {data_size} bytes; the file is truncated or corrupt")
+                self.unreadable[name] = str(code)
+                spans.append((start, end, name))
+                continue
             nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
             if not 0 <= start <= end <= data_size or end - start != nbytes:
                 raise SafetensorsError(
@@ -112,17 +122,23 @@ class SafetensorsFile:
                 raise SafetensorsError(f"{self.path}: tensors {a!r} and {b!r} overlap; the file is corrupt")
 
     def keys(self):
-        return self.tensors.keys()
+        return self.tensors.keys() | self.unreadable.keys()
+
+    def _entry(self, name: str) -> tuple[torch.dtype, tuple[int, ...], int]:
+        if name in self.unreadable:
+            raise SafetensorsError(f"{self.path}: tensor {name!r} is stored as {self.unreadable[name]}, a dtype this "
+                                   f"torch ({torch.__version__}) has no type for; yashard loads float weights only")
+        return self.tensors[name]
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return self.tensors[name][1]
+        return self._entry(name)[1]
 
     def dtype(self, name: str) -> torch.dtype:
-        return self.tensors[name][0]
+        return self._entry(name)[0]
 
     def read(self, name: str, lo: int = 0, hi: int | None = None) -> torch.Tensor:
         """Elements ``[lo, hi)`` of the flattened tensor ``name`` (all of it by default), 1-D."""
-        dtype, shape, start = self.tensors[name]
+        dtype, shape, start = self._entry(name)
         numel = math.prod(shape)
         hi = numel if hi is None else hi
         if not 0 <= lo <= hi <= numel:

@@ -23,10 +23,11 @@ Memory known before step one: a hook that has a ``workspace_plan`` attribute,
 ``workspace_plan(state, comm, numel, dtype) -> [(name, numel, dtype), ...]``, says what it will ask
 for on a bucket of ``numel`` elements of ``dtype`` (the name ``"output"`` standing for
 ``bucket.output()``); a plan that also takes a keyword ``unit`` is given the bucket's name (a hook
-that treats units differently, as :func:`qgz_hook` does the norm group, plans each its own way). ``register_comm_hook`` allocates that for every unit at once, so
-``memory_plan()`` lists it from then on and the first backward allocates nothing. Every built-in has
-one; a hook without one gets its buffers at its first call (listed by ``memory_plan`` from then on),
-and a hook that asks for more than it planned gets it too, with a warning.
+that treats units differently, as :func:`qgz_hook` does the norm group, plans each its own way).
+``register_comm_hook`` allocates that for every unit at once, so ``memory_plan()`` lists it from
+then on and the first backward allocates nothing. Every built-in has one; a hook without one gets
+its buffers at its first call (listed by ``memory_plan`` from then on), and a hook that asks for
+more than it planned gets it too, with a warning.
 
 Streams (CUDA): the hook runs with the communication stream current, and the runtime consumes the
 value on that stream. A :class:`WorkFuture`'s ``then`` callbacks run there too. A

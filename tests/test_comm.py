@@ -551,9 +551,9 @@ def test_qgz_int8_default_blocks_keep_small_gradients():
     """int8 rounds to nearest: an element below half its block's step (absmax / 254) becomes zero, so
     a parameter with small gradients that shares a block with large ones loses them. With 4096-element
     blocks the q/k projections of a tiny Llama at init came out with relative errors near 1; the
-    default block (256) keeps every parameter within 3% (1.5% seen). The norm weights (the norm group's bucket,
-    never quantized) are exact in every format: quantized, one block here spanned 8 norm weights of
-    different layers, and int4 put single ones 130% off."""
+    default block (256) keeps every parameter within 3% (1.5% seen). The norm weights (the norm
+    group's bucket, never quantized) are exact in every format: quantized, one block here spanned 8
+    norm weights of different layers, and int4 put single ones 130% off."""
     from comm_hook_workers import qgz_tensor_errors
 
     default = run_distributed(qgz_tensor_errors, 4, 8, None)[0]

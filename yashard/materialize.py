@@ -173,10 +173,9 @@ def check_folder_config(folder: HFFolder, model: nn.Module, warn: bool = True) -
 
     try:  # config.json leaves defaults out: compare whole configs, read by the model's own config class
         # (already imported: a custom-code model's too, so nothing asks to trust remote code again)
-        config_class = type(cfg) if cfg is not None and hasattr(type(cfg), "from_pretrained") else None
-        if config_class is None:
-            from transformers import AutoConfig as config_class
+        from transformers import AutoConfig
 
+        config_class = type(cfg) if hasattr(type(cfg), "from_pretrained") else AutoConfig
         saved = _config_dict(SimpleNamespace(config=config_class.from_pretrained(folder.path)))
     except Exception:  # noqa: BLE001 - a config transformers cannot read: nothing to compare
         return

@@ -170,3 +170,42 @@ def test_a_custom_code_folder_loads_with_trust_remote_code(pg, tmp_path):
     assert type(sm.module).__name__ == "MyForCausalLM"
     full = sm.full_state_dict()
     assert all(torch.equal(full[k], v.detach()) for k, v in model.named_parameters())
+
+
+def test_a_base_model_folder_loads_into_the_causal_lm(pg, tmp_path):
+    """A folder saved by the base model (LlamaModel: no 'model.' prefix) is read into the causal LM
+    as transformers reads it; without a tied head it is refused naming the base model and the
+    way out (it was refused advising yashard.from_pretrained, the call that failed)."""
+    from transformers import AutoModelForCausalLM
+    from transformers import LlamaModel
+
+    from models import tiny_config
+
+    torch.manual_seed(0)
+    tied = _save(LlamaModel(tiny_config("llama", tie_word_embeddings=True)), tmp_path / "base_tied")
+    assert not any(k.startswith("model.") for k in load_file(f"{tied}/model.safetensors"))
+    ref = AutoModelForCausalLM.from_pretrained(tied)
+    sm = yashard.from_pretrained(tied)
+    full = sm.full_state_dict()
+    assert all(torch.equal(full[k], v) for k, v in ref.state_dict().items())
+    untied = _save(LlamaModel(tiny_config("llama")), tmp_path / "base_untied")
+    with pytest.raises(ValueError, match=r"not in the folder \(lm_head.weight\)\. The folder holds a base model "
+                                         r"\(LlamaModel, names without 'model\.'\), which has no output head: tie"):
+        yashard.from_pretrained(untied)
+
+
+def test_a_stored_buffer_of_another_shape_is_refused(pg, tmp_path):
+    """A persistent buffer the folder stores with another shape was read into the model's
+    (its first numbers, or an out-of-range error naming flat offsets)."""
+    model = build()
+    model.model.layers[0].register_buffer("stat", torch.arange(8.0))
+    folder = _save(model, tmp_path / "buf")
+    for n in (4, 16):
+        target = meta_model("llama")
+        target.model.layers[0].register_buffer("stat", torch.zeros(n, device="meta"))
+        with pytest.raises(ValueError, match=rf"stores buffer model.layers.0.stat with shape \[8\] and the model's "
+                                             rf"is \[{n}\]"):
+            yashard.shard(target, weights=folder)
+    target = meta_model("llama")
+    target.model.layers[0].register_buffer("stat", torch.zeros(8, device="meta"))
+    assert torch.equal(yashard.shard(target, weights=folder).module.model.layers[0].stat, torch.arange(8.0))

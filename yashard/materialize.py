@@ -105,6 +105,15 @@ class HFFolder:
                 f"(found: {', '.join(found[:10]) or 'nothing'}).{hint}"
             )
         self.weight_map: dict[str, str] = weight_map
+        self._stored: dict[str, str] = {}  # name the model uses -> name in the files, where they differ
+        self.prefix_added = ""
+
+    def add_prefix(self, lead: str) -> None:
+        """Read every stored name ``n`` as ``lead + n`` (a base model's checkpoint read into the model
+        that wraps it)."""
+        self._stored = {lead + k: self._stored.get(k, k) for k in self.weight_map}
+        self.weight_map = {lead + k: v for k, v in self.weight_map.items()}
+        self.prefix_added = lead
 
     def _file(self, filename: str) -> SafetensorsFile:
         if filename not in self._files:
@@ -117,23 +126,27 @@ class HFFolder:
             self._files[filename] = SafetensorsFile(path)
         return self._files[filename]
 
-    def _holding(self, name: str) -> SafetensorsFile:
+    def _holding(self, name: str) -> tuple[SafetensorsFile, str]:
         file = self._file(self.weight_map[name])
+        name = self._stored.get(name, name)
         if name not in file.tensors and name not in file.unreadable:
             raise ValueError(
                 f"{self.path}: model.safetensors.index.json places {name} in {self.weight_map[name]}, which does "
                 "not hold it; the index and the files come from different saves: copy the folder again"
             )
-        return file
+        return file, name
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return self._holding(name).shape(name)
+        file, stored = self._holding(name)
+        return file.shape(stored)
 
     def dtype(self, name: str) -> torch.dtype:
-        return self._holding(name).dtype(name)
+        file, stored = self._holding(name)
+        return file.dtype(stored)
 
     def read(self, name: str, lo: int, hi: int) -> torch.Tensor:
-        return self._holding(name).read(name, lo, hi)
+        file, stored = self._holding(name)
+        return file.read(stored, lo, hi)
 
     def config(self) -> dict | None:
         """The folder's ``config.json``, if it has one."""
@@ -142,6 +155,25 @@ class HFFolder:
             return None
         with open(path) as f:
             return json.load(f)
+
+
+def align_base_prefix(folder: HFFolder, model: nn.Module) -> None:
+    """A base model's checkpoint (``LlamaModel.save_pretrained``: ``embed_tokens.weight``) read into
+    the causal LM that wraps it (``model.embed_tokens.weight``): every stored name gains the model's
+    ``base_model_prefix``, as transformers' loader adds it. Nothing changes when any stored name
+    already carries the prefix or no stored name fits the model with it."""
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    if not prefix:
+        return
+    lead = prefix + "."
+    names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    names |= {n for n, _ in model.named_buffers(remove_duplicate=False)}
+    if any(k.startswith(lead) for k in folder.weight_map):
+        return
+    if any(lead + k in names for k in folder.weight_map):
+        folder.add_prefix(lead)
+        logger.info("yashard: %s holds a base model (names without %r): read as %s<name>, as transformers does",
+                    folder.path, lead, lead)
 
 
 def check_folder_config(folder: HFFolder, model: nn.Module, warn: bool = True) -> None:
@@ -183,6 +215,12 @@ def check_folder_config(folder: HFFolder, model: nn.Module, warn: bool = True) -
     if changed:
         logger.warning("yashard: the model's config differs from %s/config.json in fields that change the "
                        "computation: %s", folder.path, "; ".join(changed))
+
+
+def config_architectures(folder: HFFolder) -> str:
+    """The class names the folder's config.json says saved it, for messages."""
+    arch = (folder.config() or {}).get("architectures") or ["a class its config.json does not name"]
+    return ", ".join(map(str, arch))
 
 
 def from_folder(folder: HFFolder, groups, layouts, masters, rank: int) -> set[str]:
@@ -228,11 +266,14 @@ def from_folder(folder: HFFolder, groups, layouts, masters, rank: int) -> set[st
                     "this checkpoint's weights when it loads them (Mixtral's experts, for one), yashard, which reads "
                     "names as stored, cannot; load it with AutoModelForCausalLM.from_pretrained and pass that model "
                     "to yashard.shard (rank 0's weights are broadcast).")
-        raise ValueError(
-            f"the weights in {folder.path} do not fit the model: {' and '.join(parts)}. Build the model from "
-            "the folder's own config.json (AutoConfig.from_pretrained(folder)) or use yashard.from_pretrained(folder)."
-            + hint
-        )
+        advice = ("Build the model from the folder's own config.json (AutoConfig.from_pretrained(folder)) or use "
+                  "yashard.from_pretrained(folder).")
+        if missing and folder.prefix_added:
+            advice = (f"The folder holds a base model ({config_architectures(folder)}, names without "
+                      f"{folder.prefix_added!r}), which has no output head: tie the head to the embedding "
+                      "(tie_word_embeddings=True), or load it with AutoModelForCausalLM.from_pretrained(folder), "
+                      "which draws a new head, and pass that model to yashard.shard.")
+        raise ValueError(f"the weights in {folder.path} do not fit the model: {' and '.join(parts)}. {advice}" + hint)
     for key, index, name in plan:
         layout = layouts[key]
         entry = layout.entries[index]
@@ -279,6 +320,13 @@ def load_buffers_from_folder(model: nn.Module, folder: HFFolder) -> set[str]:
             if buf is None or name in module._non_persistent_buffers_set or fqn not in folder.weight_map:
                 continue
             shape = tuple(buf.shape)
+            stored = tuple(folder.shape(fqn))
+            if stored != shape:
+                raise ValueError(
+                    f"{folder.path} stores buffer {fqn} with shape {list(stored)} and the model's is {list(shape)}; "
+                    "build the model from the folder's own config (yashard.from_pretrained(folder)) or drop the "
+                    "buffer from the folder"
+                )
             value = folder.read(fqn, 0, math.prod(shape)).view(shape).to(buf.dtype)
             module._buffers[name] = value
             done.add(fqn)

@@ -5,7 +5,8 @@ layer under a name that changed across releases (``past_key_values`` up to 5.23,
 5.24). A checkpointed layer that receives it appends its keys and values once in the forward and
 again in the recompute, and its attention then sees twice the sequence. So the layer is never
 given a cache to write, whatever it is called; a layer that declares it only reads one
-(``_can_checkpoint_with_cache``) keeps it.
+(``_can_checkpoint_with_cache``) keeps it. As in transformers, a layer in eval mode is not
+checkpointed, and a training layer given a cache that already holds tokens is refused.
 """
 
 from __future__ import annotations
@@ -31,11 +32,21 @@ class _Recorder(nn.Module):
         return self.lin(x)
 
 
+class _Cache:
+    """Stands for a transformers Cache holding ``tokens`` tokens."""
+
+    def __init__(self, tokens: int = 0):
+        self.tokens = tokens
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.tokens
+
+
 @pytest.mark.parametrize("name", _CACHE_KWARGS)
 def test_a_checkpointed_layer_is_given_no_cache_under_any_name(name):
-    layer, cache = _Recorder(), object()
+    layer, cache = _Recorder(), _Cache()
     x = torch.randn(2, 4, requires_grad=True)
-    _checkpointed_forward(layer.forward, x, **{name: cache, "use_cache": True, "position_ids": 3}).sum().backward()
+    _checkpointed_forward(layer, layer.forward, x, **{name: cache, "use_cache": True, "position_ids": 3}).sum().backward()
     # the forward and the recompute both ran without the cache, with the other arguments as given
     assert len(layer.calls) == 2
     assert all(c == {name: None, "use_cache": False, "position_ids": 3} for c in layer.calls)
@@ -43,14 +54,28 @@ def test_a_checkpointed_layer_is_given_no_cache_under_any_name(name):
 
 
 def test_a_layer_that_only_reads_the_cache_keeps_it_and_no_grad_runs_as_is():
-    reader, cache = _Recorder(reads_only=True), object()
+    reader, cache = _Recorder(reads_only=True), _Cache(5)
     x = torch.randn(2, 4, requires_grad=True)
-    _checkpointed_forward(reader.forward, x, cache=cache, use_cache=True).sum().backward()
+    _checkpointed_forward(reader, reader.forward, x, cache=cache, use_cache=True).sum().backward()
     assert [c["cache"] for c in reader.calls] == [cache, cache]
     layer = _Recorder()
     with torch.no_grad():  # generation: no recompute, so the cache is used as usual
-        _checkpointed_forward(layer.forward, x, cache=cache, use_cache=True)
+        _checkpointed_forward(layer, layer.forward, x, cache=cache, use_cache=True)
     assert layer.calls == [{"cache": cache, "use_cache": True}]
+
+
+def test_an_eval_layer_keeps_its_cache_and_a_training_layer_refuses_a_filled_one():
+    """transformers checkpoints only in training mode: with grad on in eval mode (continuing from a
+    cache, say) the layer runs once, with the cache. A training layer given a cache that holds
+    tokens is refused: dropping it would attend without them (or fail on the mask's shape)."""
+    layer, cache = _Recorder().eval(), _Cache(6)
+    x = torch.randn(2, 4, requires_grad=True)
+    _checkpointed_forward(layer, layer.forward, x, cache=cache, use_cache=True).sum().backward()
+    assert layer.calls == [{"cache": cache, "use_cache": True}]
+    layer.train()
+    with pytest.raises(ValueError, match=r"_Recorder is checkpointed \(ShardConfig.checkpoint_layers\) and was given "
+                                         r"a KV cache holding 6 token\(s\) in training mode.*Call model.eval\(\)"):
+        _checkpointed_forward(layer, layer.forward, x, cache=cache, use_cache=True)
 
 
 @pytest.mark.parametrize("use_cache", [None, True])
@@ -119,3 +144,23 @@ def test_a_checkpointed_forward_never_backwarded_is_freed_with_its_output(pg, re
     del sm
     gc.collect()
     assert runtime() is None
+
+
+def test_an_eval_model_continues_from_a_cache_with_grad_on(pg):
+    """An evaluation with grad on (attribution, say) that continues from a prefilled cache: the
+    checkpointed layers were given no cache and attended without it (a mask-shape error)."""
+    ids = batches(1, 2, 10, 96)[0]
+    ref = build(num_hidden_layers=4).eval()
+    sm = yashard.shard(build(num_hidden_layers=4), config=yashard.ShardConfig(checkpoint_layers=2))
+    sm.eval()
+    out = {}
+    for name, m in (("ref", ref), ("yashard", sm)):
+        with torch.no_grad():
+            past = m(input_ids=ids[:, :6], use_cache=True).past_key_values
+        o = m(input_ids=ids[:, 6:], past_key_values=past, use_cache=True, labels=ids[:, 6:])
+        o.loss.backward()
+        out[name] = o.logits.detach()
+    torch.testing.assert_close(out["yashard"], out["ref"], rtol=1e-5, atol=1e-6)
+    grads = sm.full_grads()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6, msg=name)

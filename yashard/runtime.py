@@ -417,7 +417,7 @@ class Runtime:
             if unit.kind == "layer":
                 module = layer_modules[unit.index]
                 if unit.index < ckpt:
-                    module.forward = functools.partial(_checkpointed_forward, module.forward)
+                    module.forward = functools.partial(_checkpointed_forward, module, module.forward)
             else:
                 module = modules[unit.name]
             self._hooks.append(module.register_forward_pre_hook(_opaque(functools.partial(self._pre_forward, unit)),
@@ -1513,24 +1513,47 @@ def direct_slots(shard_world: int, config: ShardConfig) -> bool:
     return shard_world == 1 and not config.quantized_weights and config.secondary_group_size is None
 
 
-def _checkpointed_forward(inner, *args, **kwargs):
+def _checkpointed_forward(module: nn.Module, inner, *args, **kwargs):
     """Activation checkpointing of one decoder layer, inside yashard's hooks.
 
     The hooks (gather, gate, views) run once outside the checkpointed region; the recompute in
     backward re-reads the same parameter views, whose slot was re-gathered by the layer's
-    ``BackwardEntry`` before any of its backward ops run. A KV cache is not passed in (the
-    recompute would write it a second time), whatever transformers calls it, unless the layer
-    declares it only reads the cache (``_can_checkpoint_with_cache``, transformers >= 5.24).
+    ``BackwardEntry`` before any of its backward ops run. As transformers' own checkpointing, only
+    a layer in training mode with grad enabled is checkpointed (an evaluation with grad on, a cached
+    decode among them, runs as is). A KV cache is not passed in (the recompute would write it a
+    second time), whatever transformers calls it, unless the layer declares it only reads the cache
+    (``_can_checkpoint_with_cache``, transformers >= 5.24); one already holding tokens is refused,
+    since dropping it would attend without them.
     """
-    if not torch.is_grad_enabled():
+    if not (torch.is_grad_enabled() and module.training):
         return inner(*args, **kwargs)
     if kwargs.get("use_cache"):
         kwargs["use_cache"] = False
-    if not getattr(getattr(inner, "__self__", None), "_can_checkpoint_with_cache", False):
+    if not getattr(module, "_can_checkpoint_with_cache", False):
         for name in _CACHE_KWARGS:
-            if kwargs.get(name) is not None:
-                kwargs[name] = None
+            cache = kwargs.get(name)
+            if cache is None:
+                continue
+            if _cached_tokens(cache):
+                raise ValueError(
+                    f"{type(module).__name__} is checkpointed (ShardConfig.checkpoint_layers) and was given a KV cache "
+                    f"holding {_cached_tokens(cache)} token(s) in training mode; a recomputed layer cannot write a "
+                    "cache, and dropping it would attend without those tokens. Call model.eval() to continue from a "
+                    "cache with grad on (transformers does not checkpoint then either), or checkpoint fewer layers"
+                )
+            kwargs[name] = None
     return torch.utils.checkpoint.checkpoint(inner, *args, use_reentrant=False, **kwargs)
+
+
+def _cached_tokens(cache) -> int:
+    """How many tokens a transformers ``Cache`` holds (0 for anything else: nothing to lose)."""
+    length = getattr(cache, "get_seq_length", None)
+    if not callable(length):
+        return 0
+    try:
+        return int(length())
+    except Exception:  # noqa: BLE001 - a cache whose length cannot be read here: treated as empty
+        return 0
 
 
 # What a decoder layer's KV-cache argument is called: ``past_key_values`` (transformers 4.57-5.23),

@@ -708,6 +708,22 @@ def test_hf_parameter_counts_include_the_sharded_parameters(pg, tied):
     assert sm.module.get_memory_footprint() == sum(p.numel() * 4 for p in sm.parameters()) + buffers
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_inner_base_model_answers_device_dtype_and_counts(pg, tied):
+    """The causal LM's base model (``model.model``, what get_decoder() returns) holds no parameters
+    after shard() either: its device and dtype raised StopIteration and num_parameters() said 0.
+    They answer as the unsharded base model's; HF checkpointing through it is refused too."""
+    ref = build("qwen2", tie_word_embeddings=tied).to(torch.bfloat16)
+    sm = yashard.shard(build("qwen2", tie_word_embeddings=tied).to(torch.bfloat16))
+    inner = sm.module.get_decoder()
+    assert inner is sm.module.model and type(inner).__name__ == type(ref.model).__name__
+    assert inner.device == torch.device("cpu") and inner.dtype == torch.bfloat16
+    for kw in ({}, {"only_trainable": True}, {"exclude_embeddings": True}):
+        assert inner.num_parameters(**kw) == ref.model.num_parameters(**kw) > 0, kw
+    with pytest.raises(ValueError, match=r"HF activation checkpointing on a yashard-sharded model"):
+        inner.gradient_checkpointing_enable()
+
+
 def test_the_hf_module_answers_its_shards_as_its_parameters(pg):
     """As FSDP2 leaves a module: after shard(), the HF module's parameters are this rank's shards (the
     ShardedModel's, same names), so code that kept the HF module acts on what trains. Before, its

@@ -72,6 +72,7 @@ def _refuse_load_state_dict(module, state_dict, prefix, local_metadata, strict, 
 
 
 _SHARDED_CLASSES: dict[type, type] = {}
+_SHARDED_INNER_CLASSES: dict[type, type] = {}
 
 
 def _check_conversion(fn, device: torch.device) -> None:
@@ -156,14 +157,7 @@ def _answer_device_and_dtype(module: nn.Module, runtime: Runtime) -> None:
             yield (f"{prefix}.{name}" if prefix else name), master
 
     def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
-        skip = ({f"{name}.weight" for name, m in self.named_modules() if isinstance(m, nn.Embedding)}
-                if exclude_embeddings else set())
-        own = sum(p.numel() for name, p in nn.Module.named_parameters(self)
-                  if name not in skip and (p.requires_grad or not only_trainable))
-        sharded = sum(entry.numel for u in _units(self)
-                      for entry, fqns, ok in zip(u.layout.entries, u.fqns, u.trainable)
-                      if not skip.intersection(fqns) and ((ok and u.master.requires_grad) or not only_trainable))
-        return own + sharded
+        return _count_parameters(self, _units(self), "", only_trainable, exclude_embeddings)
 
     def get_memory_footprint(self, return_buffers=True):
         # this rank's master shards, what the module still holds, and (as HF) its buffers
@@ -211,10 +205,6 @@ def _answer_device_and_dtype(module: nn.Module, runtime: Runtime) -> None:
             "backward; shard with ShardConfig(checkpoint_layers=N) instead (N decoder layers recompute their forward)"
         )
 
-    for name in ("gradient_checkpointing_enable", "activation_checkpointing_enable"):
-        if hasattr(cls, name):
-            members[name] = refuse_hf_checkpointing
-
     def tie_weights(self, *args, **kwargs):
         """Nothing to do: tied parameters became one master shard at ``shard()`` (PEFT and Accelerate
         call this on the models they wrap)."""
@@ -226,14 +216,62 @@ def _answer_device_and_dtype(module: nn.Module, runtime: Runtime) -> None:
             "buffers laid out at shard(); resize the HF model before yashard.shard (tied embeddings stay tied)"
         )
 
-    if hasattr(cls, "tie_weights"):
-        members["tie_weights"] = tie_weights
-    if hasattr(cls, "resize_token_embeddings"):
-        members["resize_token_embeddings"] = resize_token_embeddings
+    hf_methods = {"tie_weights": tie_weights, "resize_token_embeddings": resize_token_embeddings,
+                  "gradient_checkpointing_enable": refuse_hf_checkpointing,
+                  "activation_checkpointing_enable": refuse_hf_checkpointing}
+    members.update({name: fn for name, fn in hf_methods.items() if hasattr(cls, name)})
     module.__class__ = same_named_subclass(cls, _SHARDED_CLASSES, members)
     module.__dict__["_yashard_device"] = runtime.device
     module.__dict__["_yashard_dtype"] = runtime.config.param_dtype
     module.__dict__["_yashard_runtime"] = weakref.ref(runtime)
+    for prefix, sub in module.named_modules():
+        if sub is not module and isinstance(getattr(type(sub), "device", None), property):
+            _answer_inner(sub, prefix, runtime, {**hf_methods, **members})
+
+
+def _answer_inner(module: nn.Module, prefix: str, runtime: Runtime, outer: dict) -> None:
+    """The same for an HF model inside the sharded one (the causal LM's base model, ``model.model``,
+    which ``get_decoder()`` returns), which holds no parameters either: ``device``, ``dtype``,
+    ``num_parameters`` over the sharded parameters under ``prefix``, and ``outer``'s refusals
+    (conversions, HF checkpointing, resizing, copies) and no-op ``tie_weights``."""
+    cls = type(module)
+
+    def _apply(self, fn, recurse=True):
+        _check_conversion(fn, self.__dict__["_yashard_device"])
+        return cls._apply(self, fn, recurse)
+
+    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+        rt = self.__dict__["_yashard_runtime"]()
+        if rt is None:
+            raise RuntimeError("the yashard runtime of this module is gone (its ShardedModel was dropped)")
+        return _count_parameters(self, rt.units, self.__dict__["_yashard_prefix"], only_trainable, exclude_embeddings)
+
+    members = {"_apply": _apply, "device": outer["device"], "dtype": outer["dtype"],
+               "__reduce_ex__": _refuse_copy, "__deepcopy__": outer["__deepcopy__"]}
+    for name in ("num_parameters", "gradient_checkpointing_enable", "activation_checkpointing_enable",
+                 "resize_token_embeddings", "tie_weights"):
+        if hasattr(cls, name):
+            members[name] = num_parameters if name == "num_parameters" else outer[name]
+    module.__class__ = same_named_subclass(cls, _SHARDED_INNER_CLASSES, members)
+    module.__dict__["_yashard_device"] = runtime.device
+    module.__dict__["_yashard_dtype"] = runtime.config.param_dtype
+    module.__dict__["_yashard_runtime"] = weakref.ref(runtime)
+    module.__dict__["_yashard_prefix"] = prefix + "."
+
+
+def _count_parameters(module: nn.Module, units, prefix: str, only_trainable: bool, exclude_embeddings: bool) -> int:
+    """HF's ``num_parameters`` of ``module`` (named ``prefix`` in the sharded model; "" for the model
+    itself): the parameters it still holds plus the sharded ones under ``prefix``, unpadded and tied
+    ones once, as the unsharded module counts them."""
+    skip = ({f"{prefix}{name}.weight" for name, m in module.named_modules() if isinstance(m, nn.Embedding)}
+            if exclude_embeddings else set())
+    own = sum(p.numel() for name, p in nn.Module.named_parameters(module)
+              if prefix + name not in skip and (p.requires_grad or not only_trainable))
+    sharded = sum(entry.numel for u in units
+                  for entry, fqns, ok in zip(u.layout.entries, u.fqns, u.trainable)
+                  if any(f.startswith(prefix) for f in fqns) and not skip.intersection(fqns)
+                  and ((ok and u.master.requires_grad) or not only_trainable))
+    return own + sharded
 
 
 class ShardedModel(nn.Module):

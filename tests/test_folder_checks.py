@@ -209,3 +209,37 @@ def test_a_stored_buffer_of_another_shape_is_refused(pg, tmp_path):
     target = meta_model("llama")
     target.model.layers[0].register_buffer("stat", torch.zeros(8, device="meta"))
     assert torch.equal(yashard.shard(target, weights=folder).module.model.layers[0].stat, torch.arange(8.0))
+
+
+def test_from_pretrained_names_what_it_cannot_do(pg, tmp_path, caplog):
+    """transformers' from_pretrained arguments that mean nothing here were a raw TypeError from the
+    model's __init__ (device_map, revision) and dtype=float64 computed in fp32 without a word; a
+    missing folder or one without config.json got transformers' Hub errors."""
+    folder = _save(build(), tmp_path / "fp32")
+    with pytest.raises(ValueError, match=r"from_pretrained\(dtype=torch.float64\): yashard computes in float32, "
+                                         r"bfloat16 or float16"):
+        yashard.from_pretrained(folder, dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"from_pretrained\(device_map=...\): in transformers it places weights on "
+                                        r"devices; yashard puts every rank's shards on ShardConfig\(device=...\)"):
+        yashard.from_pretrained(folder, device_map="cpu")
+    with pytest.raises(TypeError, match=r"from_pretrained\(revision=...\): in transformers it finds files on the Hub"):
+        yashard.from_pretrained(folder, revision="main")
+    with pytest.raises(ValueError, match=r"use_safetensors=False\): yashard reads safetensors files only"):
+        yashard.from_pretrained(folder, use_safetensors=False)
+    from transformers import AutoConfig
+
+    with pytest.raises(TypeError, match=r"from_pretrained\(config=...\) takes a yashard.ShardConfig, got LlamaConfig"):
+        yashard.from_pretrained(folder, config=AutoConfig.from_pretrained(folder))
+    # what yashard always does anyway is accepted
+    sm = yashard.from_pretrained(folder, low_cpu_mem_usage=True, local_files_only=True, use_safetensors=True,
+                                 dtype="bfloat16")
+    assert sm.dtype == torch.bfloat16
+    with pytest.raises(FileNotFoundError, match=r"reads a local checkpoint folder and '.*nowhere' is not a directory; "
+                                                r"for a Hub model, download it first"):
+        yashard.from_pretrained(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"empty has no config.json \(found: nothing\)"):
+        yashard.from_pretrained(tmp_path / "empty")
+    with caplog.at_level(logging.WARNING, logger="yashard"):
+        yashard.shard(build().double())
+    assert "parameter(s) are float64 (model.embed_tokens.weight, ...); yashard keeps fp32 master weights" in caplog.text

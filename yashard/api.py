@@ -464,6 +464,11 @@ def shard(model: nn.Module, *, config: ShardConfig | None = None, process_group=
         logger.warning("yashard: the model's parameters are %s but ShardConfig.param_dtype is %s: it computes in "
                        "%s (masters are fp32 either way); pass ShardConfig(param_dtype=%s) to compute in %s",
                        low, config.param_dtype, config.param_dtype, low, low)
+    wide = [n for n, p in model.named_parameters() if p.dtype == torch.float64]
+    if wide:
+        logger.warning("yashard: %d parameter(s) are float64 (%s%s); yashard keeps fp32 master weights and computes "
+                       "in %s, so they are rounded to fp32", len(wide), wide[0], ", ..." if len(wide) > 1 else "",
+                       config.param_dtype)
     if mesh is not None and not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
     comm = Comm(process_group, shard_group_size=config.shard_group_size,
@@ -505,6 +510,60 @@ def _folder_dtype(hf_config) -> torch.dtype:
     return named if named in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
 
 
+def _as_dtype(dtype):
+    """``torch.bfloat16`` for ``torch.bfloat16``, ``"bfloat16"`` or ``"torch.bfloat16"``; else as given."""
+    if isinstance(dtype, str):
+        return getattr(torch, dtype.removeprefix("torch."), dtype)
+    return dtype
+
+
+def _check_local_folder(path) -> None:
+    """from_pretrained reads a local folder: name what is wrong before transformers looks on the Hub."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(
+            f"yashard.from_pretrained reads a local checkpoint folder and {path!r} is not a directory; for a Hub model, "
+            "download it first (huggingface_hub.snapshot_download(repo_id)) and pass the folder it returns"
+        )
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        found = sorted(os.listdir(path))
+        raise FileNotFoundError(
+            f"{path} has no config.json (found: {', '.join(found[:10]) or 'nothing'}); pass the folder "
+            "save_pretrained wrote, or build the model yourself and call yashard.shard(model, weights=path)"
+        )
+
+
+# transformers' from_pretrained arguments that from_config has no use for: what each means here
+_LOADER_KWARGS = {
+    **dict.fromkeys(("device_map", "max_memory", "offload_folder", "offload_state_dict", "offload_buffers"),
+                    "places weights on devices; yashard puts every rank's shards on ShardConfig(device=...) (the "
+                    "process group's device by default)"),
+    **dict.fromkeys(("quantization_config", "load_in_8bit", "load_in_4bit", "gguf_file"),
+                    "loads quantized weights; yashard loads float weights only"),
+    **dict.fromkeys(("tp_plan", "tp_size", "device_mesh"),
+                    "shards for tensor parallelism; yashard shards for data parallelism (mesh= for hybrid sharding)"),
+    **dict.fromkeys(("revision", "cache_dir", "force_download", "proxies", "token", "resume_download"),
+                    "finds files on the Hub; yashard reads the local folder given"),
+    "subfolder": "reads a folder inside the one given; pass os.path.join(path, subfolder) as the path",
+    **dict.fromkeys(("state_dict", "key_mapping", "output_loading_info", "weights_only"),
+                    "changes what is read or returned; yashard reads the folder's safetensors names as stored"),
+}
+# arguments that only ask for what yashard always does
+_LOADER_KWARGS_MET = {"low_cpu_mem_usage": True, "local_files_only": True, "use_safetensors": True}
+
+
+def _check_loader_kwargs(kwargs: dict) -> None:
+    for name in list(kwargs):
+        if name in _LOADER_KWARGS_MET:
+            value = kwargs.pop(name)
+            if name == "use_safetensors" and value is False:
+                raise ValueError("yashard.from_pretrained(use_safetensors=False): yashard reads safetensors files only "
+                                 "(it never unpickles weights)")
+        elif name in _LOADER_KWARGS:
+            raise TypeError(f"yashard.from_pretrained({name}=...): in transformers it {_LOADER_KWARGS[name]}; "
+                            "leave it out")
+
+
 def from_pretrained(path: str | os.PathLike, *, config: ShardConfig | None = None, process_group=None,
                     mesh=None, **model_kwargs) -> ShardedModel:
     """Build the HF causal LM of a local checkpoint folder on the meta device and shard it from the
@@ -512,14 +571,31 @@ def from_pretrained(path: str | os.PathLike, *, config: ShardConfig | None = Non
     ``AutoModelForCausalLM.from_config`` (e.g. ``attn_implementation="sdpa"``); ``dtype=torch.bfloat16``
     (or float16) computes in that dtype, as ``ShardConfig(param_dtype=...)`` does, with fp32 masters.
     Without ``dtype`` it is ``config.param_dtype`` when a ``config`` is given, else transformers'
-    default for ``from_pretrained``: the folder's dtype (``"auto"``) from transformers 5 on, fp32 before."""
+    default for ``from_pretrained``: the folder's dtype (``"auto"``) from transformers 5 on, fp32 before.
+    transformers' loading arguments that ask for what yashard always does (``low_cpu_mem_usage``,
+    ``local_files_only``, ``use_safetensors=True``) are accepted; the others (``device_map``,
+    ``revision``, quantization, ...) are refused, naming why."""
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    _check_local_folder(path)
+    if config is not None and not isinstance(config, ShardConfig):
+        raise TypeError(
+            f"yashard.from_pretrained(config=...) takes a yashard.ShardConfig, got {type(config).__name__}; to build "
+            "the model from another HF config, build it on the meta device (with torch.device('meta'): "
+            "AutoModelForCausalLM.from_config(hf_config)) and call yashard.shard(model, weights=path)"
+        )
+    _check_loader_kwargs(model_kwargs)
     trust = {k: model_kwargs[k] for k in ("trust_remote_code",) if k in model_kwargs}  # (from_config takes it too)
     hf_config = AutoConfig.from_pretrained(os.fspath(path), **trust)
     if "torch_dtype" in model_kwargs:  # (the older name of dtype)
         model_kwargs["dtype"] = model_kwargs.pop("torch_dtype")
+    dtype = model_kwargs.get("dtype")
+    if dtype is not None and dtype != "auto" and _as_dtype(dtype) not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(
+            f"yashard.from_pretrained(dtype={dtype}): yashard computes in float32, bfloat16 or float16 "
+            "(ShardConfig.param_dtype) over fp32 master weights; pass one of those, or \"auto\" for the folder's"
+        )
     if "dtype" not in model_kwargs:  # a ShardConfig given names the compute dtype itself
         model_kwargs["dtype"] = (config.param_dtype if isinstance(config, ShardConfig) else
                                  "auto" if int(transformers.__version__.split(".")[0]) >= 5 else torch.float32)

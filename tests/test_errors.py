@@ -367,15 +367,24 @@ def test_second_backward_of_one_forward_accumulates_like_pytorch(pg):
         torch.testing.assert_close(twice[k], 2 * once[k], rtol=1e-6, atol=1e-9)
 
 
-def test_optimizer_step_between_forward_and_backward(pg):
+def test_optimizer_step_or_load_between_forward_and_backward(pg, tmp_path):
+    """The backward of a graph built with weights changed since (a step, a checkpoint loaded) is
+    refused; the load itself is not (after a forward that failed, loading is how one recovers)."""
     sm = yashard.shard(build())
     opt = torch.optim.SGD(sm.parameters(), lr=0.1)
     _loss(sm).backward()          # masters now have gradients, so step() changes them
+    yashard.save_checkpoint(tmp_path / "ck", sm, opt)
     loss = _loss(sm)
     opt.step()
     with pytest.raises(RuntimeError, match=r"the master weights of lm_head changed between forward and backward "
-                                           r"\(optimizer\.step\(\) before backward\(\)\?\); call backward\(\) first"):
+                                           r"\(an optimizer\.step\(\), yashard\.load_checkpoint or an in-place edit "
+                                           r"of the shards\), and this graph was built with the old ones"):
         loss.backward()
+    loss = _loss(sm)
+    yashard.load_checkpoint(tmp_path / "ck", sm, opt)
+    with pytest.raises(RuntimeError, match=r"changed between forward and backward"):
+        loss.backward()
+    _loss(sm).backward()          # a new forward after the load trains on
 
 
 # ---------------------------------------------------------------------------------------------

@@ -900,8 +900,9 @@ class Runtime:
             )
         if unit.master._version != unit.fwd_version:
             raise RuntimeError(
-                f"the master weights of {unit.name} changed between forward and backward (optimizer.step() "
-                "before backward()?); call backward() first"
+                f"the master weights of {unit.name} changed between forward and backward (an optimizer.step(), "
+                "yashard.load_checkpoint or an in-place edit of the shards), and this graph was built with the old "
+                "ones; call backward() before changing them, or run the forward again after"
             )
         if unit.kind == "layer":
             last = self._bwd_last_layer

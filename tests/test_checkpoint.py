@@ -805,9 +805,25 @@ def test_error_bad_export_inputs(pg, tmp_path):
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("x")
     with pytest.raises(CheckpointError, match=r"mine exists and is not a model folder \(it holds notes\.txt, no "
-                                              r"config\.json\); export to a new path, or remove it first"):
+                                              r"config\.json and not only tokenizer files\); export to a new path"):
         yashard.export_hf(sm, tmp_path / "mine")
     assert sorted(os.listdir(tmp_path)) == ["file", "mine"]   # no temp directory left behind
+
+
+def test_export_into_a_folder_a_tokenizer_was_saved_to_first(pg, tmp_path):
+    """HF workflows save the tokenizer first and the model after, into one folder: such a folder
+    (tokenizer files only, no config.json yet) was refused as not a model folder."""
+    sm, _ = _fresh()
+    dest = tmp_path / "hf"
+    dest.mkdir()
+    (dest / "tokenizer.json").write_text('{"t": 1}')
+    (dest / "tokenizer_config.json").write_text('{"model_max_length": 64}')
+    (dest / "special_tokens_map.json").write_text("{}")
+    yashard.export_hf(sm, dest)
+    assert sorted(p.name for p in dest.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
+                                                       "special_tokens_map.json", "tokenizer.json",
+                                                       "tokenizer_config.json"]
+    assert (dest / "tokenizer.json").read_text() == '{"t": 1}'
 
 
 def test_export_over_a_model_folder_keeps_its_other_files(pg, tmp_path):

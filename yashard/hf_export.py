@@ -107,9 +107,17 @@ def stored_names(fqns: list[list[str]], input_embedding: str | None) -> list[str
     return [input_embedding if input_embedding in names else names[0] for names in fqns]
 
 
+# Files a model folder holds beside its config and weights (tokenizers, templates, model cards):
+# a folder of only these is where a tokenizer was saved first, as HF workflows do
+_COMPANION_FILE = re.compile(
+    r"tokenizer(_config)?\.json|special_tokens_map\.json|added_tokens\.json|vocab\.(json|txt)|merges\.txt|"
+    r".*\.(model|tiktoken)|chat_template\.(jinja|json)|generation_config\.json|README\.md|\.gitattributes"
+)
+
+
 def _looks_like_model_folder(p: Path) -> bool:
     names = set(os.listdir(p))
-    return not names or "config.json" in names
+    return "config.json" in names or all(_COMPANION_FILE.fullmatch(n) for n in names)
 
 
 def _prepare(dest: Path) -> Path:
@@ -119,8 +127,8 @@ def _prepare(dest: Path) -> Path:
     if dest.is_dir() and not _looks_like_model_folder(dest):
         shown = ", ".join(sorted(os.listdir(dest))[:5])
         raise CheckpointError(
-            f"export_hf path {dest} exists and is not a model folder (it holds {shown}, no config.json); "
-            "export to a new path, or remove it first"
+            f"export_hf path {dest} exists and is not a model folder (it holds {shown}, no config.json and "
+            "not only tokenizer files); export to a new path, or remove it first"
         )
     parent = dest.parent
     parent.mkdir(parents=True, exist_ok=True)

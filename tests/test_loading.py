@@ -194,6 +194,34 @@ def test_a_folder_is_read_as_transformers_reads_it(tmp_path):
     assert (exported.eos_token_id, exported.do_sample, exported.top_p) == ([2, 7], True, 0.9)
 
 
+@pytest.mark.skipif(not TRANSFORMERS_5, reason="transformers 4.x holds the experts as stored")
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_a_moe_folder_is_converted_as_transformers_converts_it(tmp_path, family):
+    """transformers 5 holds a MoE layer's experts fused (experts.gate_up_proj, 3-D) and its
+    checkpoints store one tensor per expert and projection: yashard reads such a folder as
+    from_pretrained does (it was refused: names not in the folder), and export_hf writes the stored
+    form back as save_pretrained does (it wrote the fused names, which other readers lack)."""
+    from safetensors import safe_open
+
+    folder, out = tmp_path / "saved", tmp_path / "export"
+    build(family, seed=4).save_pretrained(folder)
+    ref = AutoModelForCausalLM.from_pretrained(folder)
+    new = {k: v.detach() for k, v in ref.named_parameters(remove_duplicate=False)}
+    assert any(v.dim() == 3 for v in new.values())  # fused in memory
+    results = run_distributed(folder_as_transformers_reads_it, 2, str(folder), str(out))
+    for r, res in enumerate(results):
+        bad = [k for k in new if not torch.equal(res["params"][k], new[k])]
+        assert not bad, (r, bad[:3])
+
+    def stored(path):
+        with safe_open(str(path / "model.safetensors"), "pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}
+
+    saved, exported = stored(folder), stored(out)
+    assert sorted(exported) == sorted(saved) and any(".experts.0." in k for k in saved)
+    assert all(torch.equal(exported[k], saved[k]) for k in saved)
+
+
 def test_loading_peak_memory_is_shards_plus_one_parameter(tmp_path):
     """Meta init and folder loading never hold the full model (~150 MB here) on a rank."""
     shape = dict(vocab_size=4096, hidden_size=768, intermediate_size=2048, num_hidden_layers=6,

@@ -15,7 +15,9 @@ fits in one file. Which tensor goes to which file is planned before anything is 
 
 Streaming: for each unit every rank joins one all-gather of the unit's flat vector into a temporary
 buffer and rank 0 appends that unit's tensors (cast to ``dtype``) to the file(s) they are planned
-in, so the extra memory is one unit. With tied input/output embeddings only the input embedding is stored; ``from_pretrained``
+in, so the extra memory is one unit. Tensors are stored under the names and in the form the
+model's checkpoints use, as ``save_pretrained`` writes them (a transformers-5 MoE layer's fused
+experts one tensor per expert: :mod:`yashard.hf_names`). With tied input/output embeddings only the input embedding is stored; ``from_pretrained``
 re-ties the output embedding to it (transformers lists it in ``_tied_weights_keys``). Persistent
 buffers (a router's score-correction bias, ...) follow the parameters, rank 0's copy in the dtype the
 model holds them in, as ``save_pretrained`` stores them (``state_dict()`` holds them; non-persistent
@@ -38,6 +40,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import math
 import os
 import re
 import secrets
@@ -46,6 +49,7 @@ from pathlib import Path
 
 import torch
 
+from . import hf_names
 from ._io import StreamedSafetensors, exchange_dirs, fsync_dir, fsync_file
 from .checkpoint import CheckpointError, _agree, _runtime, persistent_buffers
 
@@ -208,17 +212,20 @@ def export_hf(model, path: str | os.PathLike, *, dtype: torch.dtype | None = Non
     units = rt.units
     emb = _input_embedding_name(hf)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    # (layout entry, stored name) of every tensor in unit order, then the persistent buffers, and the
+    # (stored name, shape) of every tensor in unit order, as checkpoints of the model store them (a
+    # MoE layer's fused experts split per expert: hf_names), then the persistent buffers, and the
     # file each goes to
-    tensors = [(e, nm) for u in units for nm, e in zip(stored_names(u.fqns, emb), u.layout.entries)]
-    buffers = persistent_buffers(hf)
-    sizes = [e.numel * itemsize for e, _ in tensors] + [b.numel() * b.element_size() for _, b in buffers]
+    held = [[(nm, e.shape) for nm, e in zip(stored_names(u.fqns, emb), u.layout.entries)] for u in units]
+    per_unit = [hf_names.stored_shapes(hf, h) for h in held]
+    tensors = [t for unit in per_unit for t in unit]
+    buffers = list(hf_names.to_stored(hf, dict(persistent_buffers(hf))).items())
+    sizes = [math.prod(shape) * itemsize for _, shape in tensors] + [b.numel() * b.element_size() for _, b in buffers]
     file_of = plan_files(sizes, limit)
     n_files = file_of[-1] + 1
     fnames = [WEIGHTS_SINGLE] if n_files == 1 else [export_file_name(i + 1, n_files) for i in range(n_files)]
     specs: list[list] = [[] for _ in range(n_files)]
-    for (e, nm), f in zip(tensors, file_of):
-        specs[f].append((nm, dtype, e.shape))
+    for (nm, shape), f in zip(tensors, file_of):
+        specs[f].append((nm, dtype, shape))
     for (nm, b), f in zip(buffers, file_of[len(tensors):]):
         specs[f].append((nm, b.dtype, tuple(b.shape)))
     dest = Path(os.path.realpath(path))  # a symlinked folder: write (and swap) its target, as save_pretrained
@@ -255,17 +262,19 @@ def export_hf(model, path: str | os.PathLike, *, dtype: torch.dtype | None = Non
         writer = None
 
     with torch.no_grad():
-        for u in units:
+        for u, unit_held, unit_stored in zip(units, held, per_unit):
             flat = torch.empty(u.layout.padded, dtype=torch.float32, device=u.master.device)
             comm.wait(comm.all_gather(flat, u.master.detach().contiguous(), u.name), f"all_gather of {u.name} (export_hf)", host=True)
-            mine = range(at, at + len(u.layout.entries))
+            mine = range(at, at + len(unit_stored))
             at = mine.stop
             if comm.rank != 0 or err is not None:
                 continue  # keep joining the gathers: every rank issues the same collectives
             try:
+                stored = hf_names.to_stored(hf, {nm: flat[e.offset:e.end].view(e.shape)
+                                                 for (nm, _), e in zip(unit_held, u.layout.entries)})
                 for i in mine:
-                    e, nm = tensors[i]
-                    put(i, nm, flat[e.offset:e.end].view(e.shape).to(dtype))
+                    nm, _ = tensors[i]
+                    put(i, nm, stored[nm].to(dtype).contiguous())
             except Exception as e:  # noqa: BLE001
                 failed(e)
             del flat

@@ -32,6 +32,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from . import hf_names
 from .layout import FlatLayout, shard_pieces
 from .safetensors_io import SafetensorsFile
 
@@ -144,7 +145,8 @@ class HFFolder:
         file, stored = self._holding(name)
         return file.dtype(stored)
 
-    def read(self, name: str, lo: int, hi: int) -> torch.Tensor:
+    def read(self, name: str, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of the flattened tensor ``name`` (all of it by default), 1-D."""
         file, stored = self._holding(name)
         return file.read(stored, lo, hi)
 
@@ -223,14 +225,46 @@ def config_architectures(folder: HFFolder) -> str:
     return ", ".join(map(str, arch))
 
 
-def from_folder(folder: HFFolder, groups, layouts, masters, rank: int) -> set[str]:
-    """Masters from a HF folder: each rank reads only the rows that cover its shard. Returns the
+def _converted_sources(folder: HFFolder, model: nn.Module, layout: FlatLayout, members) -> list[str] | None:
+    """The stored names a unit's weights are converted from (a transformers-5 MoE layer's experts,
+    stored one tensor per expert: :mod:`yashard.hf_names`), when the folder holds all of them with
+    the shapes the conversion needs; else None."""
+    held = [(fqns[0], entry.shape) for entry, (_, _, fqns) in zip(layout.entries, members)]
+    stored = hf_names.stored_shapes(model, held)
+    if not all(n in folder.weight_map and tuple(folder.shape(n)) == shape for n, shape in stored):
+        return None
+    for n, _ in stored:
+        _check_float(folder, n)
+    return [n for n, _ in stored]
+
+
+def _check_float(folder: HFFolder, name: str) -> None:
+    dtype = folder.dtype(name)
+    if dtype not in FLOAT_WEIGHT_DTYPES:
+        raise ValueError(
+            f"{folder.path}: {name} is stored as {dtype}; yashard loads float weights only (fp32, bf16, fp16, fp64) "
+            "and would read quantized codes as numbers. Dequantize the checkpoint first"
+        )
+
+
+def from_folder(folder: HFFolder, model: nn.Module, groups, layouts, masters, rank: int) -> set[str]:
+    """Masters from a HF folder: each rank reads only the rows that cover its shard. A unit stored
+    in another form (per-expert tensors of a fused MoE layer) is read whole, converted as
+    transformers converts it, and this rank's part kept (one unit's extra memory). Returns the
     names read (tied names included)."""
     missing, wrong = [], []
     plan = []
+    converted = []
     used = set()
     for key, members in groups.items():
         layout = layouts[key]
+        if (not all(any(n in folder.weight_map for n in fqns) for _, _, fqns in members)
+                and hf_names.converts(model)):
+            sources = _converted_sources(folder, model, layout, members)
+            if sources is not None:
+                converted.append((key, sources))
+                used.update(sources)
+                continue
         for index, (entry, (_, _, fqns)) in enumerate(zip(layout.entries, members)):
             present = [n for n in fqns if n in folder.weight_map]
             if not present:
@@ -241,12 +275,7 @@ def from_folder(folder: HFFolder, groups, layouts, masters, rank: int) -> set[st
             if stored != entry.shape:
                 wrong.append(f"{name}: folder {list(stored)}, model {list(entry.shape)}")
                 continue
-            dtype = folder.dtype(name)
-            if dtype not in FLOAT_WEIGHT_DTYPES:
-                raise ValueError(
-                    f"{folder.path}: {name} is stored as {dtype}; yashard loads float weights only (fp32, bf16, fp16, fp64) "
-                    "and would read quantized codes as numbers. Dequantize the checkpoint first"
-                )
+            _check_float(folder, name)
             for other in present[1:]:  # the model ties these names: the folder must hold one tensor
                 _check_tied(folder, name, other)
             used.update(present)
@@ -262,10 +291,11 @@ def from_folder(folder: HFFolder, groups, layouts, masters, rank: int) -> set[st
         unknown = sorted(k for k in folder.weight_map if k not in known)
         hint = ""
         if missing and unknown:
-            hint = (f" The folder stores names the model does not have (e.g. {unknown[0]}): if transformers renames "
-                    "this checkpoint's weights when it loads them (Mixtral's experts, for one), yashard, which reads "
-                    "names as stored, cannot; load it with AutoModelForCausalLM.from_pretrained and pass that model "
-                    "to yashard.shard (rank 0's weights are broadcast).")
+            hint = (f" The folder stores names the model does not have (e.g. {unknown[0]}): yashard reads names as "
+                    "stored or as the conversions transformers registers for the model's class turn them (Mixtral's "
+                    "experts, for one), and these fit neither; if transformers loads this folder, load it with "
+                    "AutoModelForCausalLM.from_pretrained and pass that model to yashard.shard (rank 0's weights are "
+                    "broadcast).")
         advice = ("Build the model from the folder's own config.json (AutoConfig.from_pretrained(folder)) or use "
                   "yashard.from_pretrained(folder).")
         if missing and folder.prefix_added:
@@ -281,6 +311,16 @@ def from_folder(folder: HFFolder, groups, layouts, masters, rank: int) -> set[st
             if piece.entry == index:
                 part = folder.read(name, piece.entry_start, piece.entry_end)
                 masters[key][piece.shard_start : piece.shard_start + piece.numel].copy_(part)
+    for key, sources in converted:
+        layout = layouts[key]
+        held = hf_names.from_stored(model, {n: folder.read(n).view(folder.shape(n)) for n in sources})
+        for index, (entry, (_, _, fqns)) in enumerate(zip(layout.entries, groups[key])):
+            value = held.get(fqns[0])
+            if value is None or tuple(value.shape) != tuple(entry.shape):
+                got = "nothing" if value is None else f"shape {list(value.shape)}"
+                raise ValueError(f"{folder.path}: converting {', '.join(sources[:3])}, ... as transformers does gave "
+                                 f"{got} for {fqns[0]}, whose shape is {list(entry.shape)}")
+            _copy_pieces(masters[key], layout, rank, index, value.reshape(-1))
     return used
 
 

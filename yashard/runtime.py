@@ -373,7 +373,7 @@ class Runtime:
             folder = materialize.HFFolder(self.weights)
             materialize.check_folder_config(folder, self.model, warn=rank == 0)
             materialize.align_base_prefix(folder, self.model)
-            used = materialize.from_folder(folder, groups, layouts, masters, rank)
+            used = materialize.from_folder(folder, self.model, groups, layouts, masters, rank)
             used |= materialize.load_buffers_from_folder(self.model, folder)
             if rank == 0:
                 materialize.warn_unused(folder, self.model, used)

@@ -243,3 +243,22 @@ def test_from_pretrained_names_what_it_cannot_do(pg, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="yashard"):
         yashard.shard(build().double())
     assert "parameter(s) are float64 (model.embed_tokens.weight, ...); yashard keeps fp32 master weights" in caplog.text
+
+
+def test_config_differences_that_matter_only_sometimes():
+    """max_position_embeddings changes nothing under plain RoPE and the frequencies under a scaled
+    one (dynamic, yarn, ...); pad_token_id is the embedding's padding_idx, whose row never trains.
+    Both were left out of the comparison whatever the config."""
+    from types import SimpleNamespace
+
+    from yashard.checkpoint import _config_dict, config_diff
+    from models import tiny_config
+
+    def cfg(**kw):
+        return _config_dict(SimpleNamespace(config=tiny_config("llama", **kw)))
+
+    assert config_diff(cfg(max_position_embeddings=64), cfg(max_position_embeddings=128)) == []
+    dynamic = {"rope_type": "dynamic", "factor": 2.0}
+    assert config_diff(cfg(max_position_embeddings=64, rope_scaling=dynamic),
+                       cfg(max_position_embeddings=128, rope_scaling=dynamic)) == ["max_position_embeddings: 64 -> 128"]
+    assert config_diff(cfg(pad_token_id=0), cfg(pad_token_id=5)) == ["pad_token_id: 0 -> 5"]

@@ -740,19 +740,36 @@ def _check_model(index: dict, rt: "Runtime", save_dir: Path) -> None:
                        save_dir, "; ".join(changed))
 
 
-# config fields that do not change what a model computes from its weights
+# config fields that do not change what a model computes from its weights, nor how it trains
+# (pad_token_id does: it is the embedding's padding_idx, whose row gets no gradient)
 _CONFIG_NOISE = {"_name_or_path", "architectures", "transformers_version", "torch_dtype", "dtype", "use_cache",
                  "_attn_implementation", "_attn_implementation_autoset", "attn_implementation", "output_attentions",
-                 "output_hidden_states", "return_dict", "bos_token_id", "eos_token_id", "pad_token_id",
+                 "output_hidden_states", "return_dict", "bos_token_id", "eos_token_id",
                  "max_position_embeddings", "_commit_hash", "id2label", "label2id", "problem_type", "tokenizer_class"}
+
+
+def _scaled_rope(cfg: dict) -> bool:
+    """Whether the config's RoPE is scaled (dynamic, yarn, longrope, llama3, ...): those read
+    max_position_embeddings, so it changes the computation; plain RoPE does not read it."""
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = cfg.get(key)
+        if not isinstance(rope, dict):
+            continue
+        # (per attention type in some models: {"full_attention": {...}, "sliding_attention": {...}})
+        for params in [rope, *(v for v in rope.values() if isinstance(v, dict))]:
+            if params.get("rope_type", params.get("type")) not in (None, "default"):
+                return True
+    return False
 
 
 def config_diff(saved: dict | None, now: dict | None, limit: int = 5) -> list[str]:
     """``field: saved -> now`` for the config fields that differ (those that change what the model
-    computes; the noise fields above are left out), at most ``limit``."""
+    computes or how it trains; the noise fields above are left out, and max_position_embeddings
+    unless a scaled RoPE reads it), at most ``limit``."""
     if not saved or not now:
         return []
-    keys = sorted(k for k in set(saved) | set(now) if k not in _CONFIG_NOISE and saved.get(k) != now.get(k))
+    noise = _CONFIG_NOISE - {"max_position_embeddings"} if _scaled_rope(saved) or _scaled_rope(now) else _CONFIG_NOISE
+    keys = sorted(k for k in set(saved) | set(now) if k not in noise and saved.get(k) != now.get(k))
     return [f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in keys[:limit]]
 
 

@@ -33,13 +33,16 @@ class _Recorder(nn.Module):
 
 
 class _Cache:
-    """Stands for a transformers Cache holding ``tokens`` tokens."""
+    """Stands for a transformers Cache holding ``tokens`` tokens in each layer (a list: per layer)."""
 
-    def __init__(self, tokens: int = 0):
-        self.tokens = tokens
+    def __init__(self, tokens: int | list[int] = 0):
+        self.tokens = tokens if isinstance(tokens, list) else [tokens]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.tokens
+        return self.tokens[layer_idx]
 
 
 @pytest.mark.parametrize("name", _CACHE_KWARGS)
@@ -76,6 +79,27 @@ def test_an_eval_layer_keeps_its_cache_and_a_training_layer_refuses_a_filled_one
     with pytest.raises(ValueError, match=r"_Recorder is checkpointed \(ShardConfig.checkpoint_layers\) and was given "
                                          r"a KV cache holding 6 token\(s\) in training mode.*Call model.eval\(\)"):
         _checkpointed_forward(layer, layer.forward, x, cache=cache, use_cache=True)
+    # tokens in a later layer only (transformers' get_seq_length() reads layer 0)
+    with pytest.raises(ValueError, match=r"a KV cache holding 6 token\(s\) in training mode"):
+        _checkpointed_forward(layer, layer.forward, x, cache=_Cache([0, 0, 6, 6]), use_cache=True)
+
+
+def test_a_training_forward_returns_no_cache_as_transformers_does(pg):
+    """With the config's use_cache=True, the layers that are not checkpointed filled a cache and the
+    checkpointed ones did not: continuing from it attended to half the past (silently, under sdpa).
+    transformers turns use_cache off under its own checkpointing; so does yashard."""
+    ids = batches(1, 2, 10, 96)[0]
+    ref = build(num_hidden_layers=4)
+    ref.gradient_checkpointing_enable()
+    sm = yashard.shard(build(num_hidden_layers=4), config=yashard.ShardConfig(checkpoint_layers=2))
+    assert ref.training and sm.training and ref.config.use_cache
+    assert ref(input_ids=ids).past_key_values is None
+    assert sm(input_ids=ids).past_key_values is None
+    assert sm(input_ids=ids, use_cache=True).past_key_values is None
+    with torch.no_grad():  # (under no_grad nothing is recomputed: the cache is built)
+        assert sm(input_ids=ids).past_key_values.get_seq_length(3) == 10
+    sm.eval()
+    assert sm(input_ids=ids).past_key_values.get_seq_length(3) == 10
 
 
 @pytest.mark.parametrize("use_cache", [None, True])

@@ -11,6 +11,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import inspect
 import logging
 import math
 import types
@@ -413,6 +414,8 @@ class Runtime:
         modules = {"embed": get_path(model, spec.embed), "lm_head": get_path(model, spec.lm_head)}
         layer_modules = get_path(model, spec.layers)
         ckpt = self.config.checkpoint_layers
+        if ckpt and "use_cache" in inspect.signature(model.forward).parameters:
+            self._hooks.append(model.register_forward_pre_hook(_opaque(_no_cache_when_checkpointing), with_kwargs=True))
         for unit in self.forward_order:
             if unit.kind == "layer":
                 module = layer_modules[unit.index]
@@ -1547,14 +1550,25 @@ def _checkpointed_forward(module: nn.Module, inner, *args, **kwargs):
 
 
 def _cached_tokens(cache) -> int:
-    """How many tokens a transformers ``Cache`` holds (0 for anything else: nothing to lose)."""
+    """How many tokens a transformers ``Cache`` holds in any layer (0 for anything else: nothing
+    to lose)."""
     length = getattr(cache, "get_seq_length", None)
     if not callable(length):
         return 0
     try:
-        return int(length())
+        return max(int(length(i)) for i in range(max(len(cache), 1)))
     except Exception:  # noqa: BLE001 - a cache whose length cannot be read here: treated as empty
         return 0
+
+
+def _no_cache_when_checkpointing(module: nn.Module, args, kwargs):
+    """A training forward with grad on of a model with checkpointed layers builds no KV cache, as
+    transformers turns ``use_cache`` off under its own checkpointing: the checkpointed layers cannot
+    write one, so a cache returned would hold only the other layers' tokens."""
+    if module.training and torch.is_grad_enabled() and kwargs.get("use_cache") is not False:
+        kwargs["use_cache"] = False
+        return args, kwargs
+    return None
 
 
 # What a decoder layer's KV-cache argument is called: ``past_key_values`` (transformers 4.57-5.23),

@@ -246,8 +246,8 @@ def test_from_pretrained_names_what_it_cannot_do(pg, tmp_path, caplog):
 
 
 def test_config_differences_that_matter_only_sometimes():
-    """max_position_embeddings changes nothing under plain RoPE and the frequencies under a scaled
-    one (dynamic, yarn, ...); pad_token_id is the embedding's padding_idx, whose row never trains.
+    """max_position_embeddings changes nothing under plain, linear or Llama 3 RoPE and the
+    frequencies under dynamic NTK, YaRN or LongRoPE; pad_token_id is the embedding's padding_idx, whose row never trains.
     Both were left out of the comparison whatever the config."""
     from types import SimpleNamespace
 
@@ -261,4 +261,9 @@ def test_config_differences_that_matter_only_sometimes():
     dynamic = {"rope_type": "dynamic", "factor": 2.0}
     assert config_diff(cfg(max_position_embeddings=64, rope_scaling=dynamic),
                        cfg(max_position_embeddings=128, rope_scaling=dynamic)) == ["max_position_embeddings: 64 -> 128"]
+    for linear in ({"rope_type": "linear", "factor": 2.0},
+                   {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 32}):  # these do not read it
+        assert config_diff(cfg(max_position_embeddings=64, rope_scaling=linear),
+                           cfg(max_position_embeddings=128, rope_scaling=linear)) == []
     assert config_diff(cfg(pad_token_id=0), cfg(pad_token_id=5)) == ["pad_token_id: 0 -> 5"]

@@ -748,16 +748,19 @@ _CONFIG_NOISE = {"_name_or_path", "architectures", "transformers_version", "torc
                  "max_position_embeddings", "_commit_hash", "id2label", "label2id", "problem_type", "tokenizer_class"}
 
 
-def _scaled_rope(cfg: dict) -> bool:
-    """Whether the config's RoPE is scaled (dynamic, yarn, longrope, llama3, ...): those read
-    max_position_embeddings, so it changes the computation; plain RoPE does not read it."""
+def _rope_reads_length(cfg: dict) -> bool:
+    """Whether the config's RoPE frequencies depend on max_position_embeddings: dynamic NTK, YaRN
+    and LongRoPE scaling read it, Llama 3's when its own original_max_position_embeddings is unset;
+    plain and linear RoPE do not."""
     for key in ("rope_parameters", "rope_scaling"):
         rope = cfg.get(key)
         if not isinstance(rope, dict):
             continue
         # (per attention type in some models: {"full_attention": {...}, "sliding_attention": {...}})
         for params in [rope, *(v for v in rope.values() if isinstance(v, dict))]:
-            if params.get("rope_type", params.get("type")) not in (None, "default"):
+            kind = params.get("rope_type", params.get("type"))
+            if kind in ("dynamic", "yarn", "longrope") or (
+                    kind == "llama3" and not params.get("original_max_position_embeddings")):
                 return True
     return False
 
@@ -765,10 +768,11 @@ def _scaled_rope(cfg: dict) -> bool:
 def config_diff(saved: dict | None, now: dict | None, limit: int = 5) -> list[str]:
     """``field: saved -> now`` for the config fields that differ (those that change what the model
     computes or how it trains; the noise fields above are left out, and max_position_embeddings
-    unless a scaled RoPE reads it), at most ``limit``."""
+    unless the RoPE reads it), at most ``limit``."""
     if not saved or not now:
         return []
-    noise = _CONFIG_NOISE - {"max_position_embeddings"} if _scaled_rope(saved) or _scaled_rope(now) else _CONFIG_NOISE
+    reads_length = _rope_reads_length(saved) or _rope_reads_length(now)
+    noise = _CONFIG_NOISE - {"max_position_embeddings"} if reads_length else _CONFIG_NOISE
     keys = sorted(k for k in set(saved) | set(now) if k not in noise and saved.get(k) != now.get(k))
     return [f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in keys[:limit]]
 

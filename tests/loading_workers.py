@@ -97,4 +97,4 @@ def folder_as_transformers_reads_it(rank, world, folder, out):
     gen = sm.generation_config
     yashard.export_hf(sm, out)
     return dict(params=sm.full_state_dict(), eos=gen.eos_token_id, do_sample=gen.do_sample,
-                temperature=gen.temperature, said=said)
+                temperature=gen.temperature, said=said, buffers=dict(sm.module.named_buffers()))

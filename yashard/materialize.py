@@ -352,24 +352,33 @@ def warn_unused(folder: HFFolder, model: nn.Module, used: set[str]) -> None:
 
 
 def load_buffers_from_folder(model: nn.Module, folder: HFFolder) -> set[str]:
-    """Persistent buffers stored in the folder are read from it; returns the names read."""
+    """Persistent buffers stored in the folder are read from it, under their own names or the one
+    the model's checkpoints store them under (a router bias a MoE conversion renames:
+    :mod:`yashard.hf_names`); returns the names read."""
     done = set()
+    renames = hf_names.converts(model)
     for mod_name, module in model.named_modules():
         for name, buf in module._buffers.items():
             fqn = f"{mod_name}.{name}" if mod_name else name
-            if buf is None or name in module._non_persistent_buffers_set or fqn not in folder.weight_map:
+            if buf is None or name in module._non_persistent_buffers_set:
                 continue
             shape = tuple(buf.shape)
-            stored = tuple(folder.shape(fqn))
+            where = fqn
+            if where not in folder.weight_map and renames:
+                stored_as = hf_names.stored_shapes(model, [(fqn, shape)])
+                where = stored_as[0][0] if len(stored_as) == 1 else fqn
+            if where not in folder.weight_map:
+                continue
+            stored = tuple(folder.shape(where))
             if stored != shape:
                 raise ValueError(
-                    f"{folder.path} stores buffer {fqn} with shape {list(stored)} and the model's is {list(shape)}; "
+                    f"{folder.path} stores buffer {where} with shape {list(stored)} and the model's is {list(shape)}; "
                     "build the model from the folder's own config (yashard.from_pretrained(folder)) or drop the "
                     "buffer from the folder"
                 )
-            value = folder.read(fqn, 0, math.prod(shape)).view(shape).to(buf.dtype)
+            value = folder.read(where, 0, math.prod(shape)).view(shape).to(buf.dtype)
             module._buffers[name] = value
-            done.add(fqn)
+            done.add(where)
     return done
 
 

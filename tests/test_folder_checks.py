@@ -267,3 +267,14 @@ def test_config_differences_that_matter_only_sometimes():
         assert config_diff(cfg(max_position_embeddings=64, rope_scaling=linear),
                            cfg(max_position_embeddings=128, rope_scaling=linear)) == []
     assert config_diff(cfg(pad_token_id=0), cfg(pad_token_id=5)) == ["pad_token_id: 0 -> 5"]
+
+
+@pytest.mark.skipif(int(__import__("transformers").__version__.split(".")[0]) < 5,
+                    reason="transformers 4.x holds the experts as stored")
+def test_a_moe_folder_with_other_shapes_names_them(pg, tmp_path):
+    """A Mixtral folder with 6 experts for a 4-expert model: the stored names convert, the shapes
+    do not fit; the error named 12 parameters as missing and blamed the names."""
+    folder = _save(build("mixtral", num_experts=6, num_local_experts=6), tmp_path / "six")
+    with pytest.raises(ValueError, match=r"do not fit the model: 4 have other shapes \(model.layers.0.block_sparse_moe."
+                                         r"gate.weight: folder \[6, 32\], model \[4, 32\]"):
+        yashard.shard(meta_model("mixtral"), weights=folder)

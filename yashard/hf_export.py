@@ -115,7 +115,8 @@ def stored_names(fqns: list[list[str]], input_embedding: str | None) -> list[str
 # a folder of only these is where a tokenizer was saved first, as HF workflows do
 _COMPANION_FILE = re.compile(
     r"tokenizer(_config)?\.json|special_tokens_map\.json|added_tokens\.json|vocab\.(json|txt)|merges\.txt|"
-    r".*\.(model|tiktoken)|chat_template\.(jinja|json)|generation_config\.json|README\.md|\.gitattributes"
+    r".*\.(model|tiktoken)|chat_template\.(jinja|json)|(preprocessor|processor)_config\.json|"
+    r"generation_config\.json|README\.md|\.gitattributes"
 )
 
 

@@ -225,17 +225,20 @@ def config_architectures(folder: HFFolder) -> str:
     return ", ".join(map(str, arch))
 
 
-def _converted_sources(folder: HFFolder, model: nn.Module, layout: FlatLayout, members) -> list[str] | None:
+def _converted_sources(folder: HFFolder, model: nn.Module, layout: FlatLayout, members) -> tuple[list[str], list[str]] | None:
     """The stored names a unit's weights are converted from (a transformers-5 MoE layer's experts,
-    stored one tensor per expert: :mod:`yashard.hf_names`), when the folder holds all of them with
-    the shapes the conversion needs; else None."""
+    stored one tensor per expert: :mod:`yashard.hf_names`) and those of them stored with other
+    shapes than the conversion needs (``name: folder [..], model [..]``), when the folder holds all
+    of them; else None."""
     held = [(fqns[0], entry.shape) for entry, (_, _, fqns) in zip(layout.entries, members)]
     stored = hf_names.stored_shapes(model, held)
-    if not all(n in folder.weight_map and tuple(folder.shape(n)) == shape for n, shape in stored):
+    if not all(n in folder.weight_map for n, _ in stored):
         return None
+    wrong = [f"{n}: folder {list(folder.shape(n))}, model {list(shape)}" for n, shape in stored
+             if tuple(folder.shape(n)) != shape]
     for n, _ in stored:
         _check_float(folder, n)
-    return [n for n, _ in stored]
+    return [n for n, _ in stored], wrong
 
 
 def _check_float(folder: HFFolder, name: str) -> None:
@@ -260,9 +263,12 @@ def from_folder(folder: HFFolder, model: nn.Module, groups, layouts, masters, ra
         layout = layouts[key]
         if (not all(any(n in folder.weight_map for n in fqns) for _, _, fqns in members)
                 and hf_names.converts(model)):
-            sources = _converted_sources(folder, model, layout, members)
-            if sources is not None:
-                converted.append((key, sources))
+            found = _converted_sources(folder, model, layout, members)
+            if found is not None:
+                sources, mismatched = found
+                wrong.extend(mismatched)
+                if not mismatched:
+                    converted.append((key, sources))
                 used.update(sources)
                 continue
         for index, (entry, (_, _, fqns)) in enumerate(zip(layout.entries, members)):

@@ -225,7 +225,8 @@ def config_architectures(folder: HFFolder) -> str:
     return ", ".join(map(str, arch))
 
 
-def _converted_sources(folder: HFFolder, model: nn.Module, layout: FlatLayout, members) -> tuple[list[str], list[str]] | None:
+def _converted_sources(folder: HFFolder, model: nn.Module, layout: FlatLayout,
+                       members) -> tuple[list[str], list[str]] | None:
     """The stored names a unit's weights are converted from (a transformers-5 MoE layer's experts,
     stored one tensor per expert: :mod:`yashard.hf_names`) and those of them stored with other
     shapes than the conversion needs (``name: folder [..], model [..]``), when the folder holds all

@@ -19,9 +19,10 @@ in, so the extra memory is one unit. Tensors are stored under the names and in t
 model's checkpoints use, as ``save_pretrained`` writes them (a transformers-5 MoE layer's fused
 experts one tensor per expert: :mod:`yashard.hf_names`). With tied input/output embeddings only
 the input embedding is stored; ``from_pretrained`` re-ties the output embedding to it
-(transformers lists it in ``_tied_weights_keys``). Persistent buffers (a router's score-correction bias, ...) follow the parameters, rank 0's copy in the dtype the
-model holds them in, as ``save_pretrained`` stores them (``state_dict()`` holds them; non-persistent
-ones, such as rotary tables, are rebuilt by the model and not stored).
+(transformers lists it in ``_tied_weights_keys``). Persistent buffers (a router's score-correction
+bias, ...) follow the parameters, rank 0's copy in the dtype the model holds them in, as
+``save_pretrained`` stores them (``state_dict()`` holds them; non-persistent ones, such as rotary
+tables, are rebuilt by the model and not stored).
 
 Atomic protocol: rank 0 writes into a fresh sibling directory ``.<name>.yashard-tmp-<random>``,
 copies in what an existing ``path`` holds beside weights (tokenizer files, chat templates, READMEs:

@@ -118,6 +118,14 @@ def _shard_names(units) -> list[tuple[str, nn.Parameter]]:
     return [(f"shards.{'norms_and_biases' if u.kind == 'small' else u.name}", u.master) for u in units]
 
 
+def _live_runtime(module: nn.Module) -> Runtime:
+    """The runtime that sharded ``module`` (held weakly by the module)."""
+    rt = module.__dict__["_yashard_runtime"]()
+    if rt is None:
+        raise RuntimeError("the yashard runtime of this module is gone (its ShardedModel was dropped)")
+    return rt
+
+
 def _answer_device_and_dtype(module: nn.Module, runtime: Runtime) -> None:
     """HF reads a model's ``device`` and ``dtype`` from its first parameter (``generate()``,
     ``save_pretrained``), and counts parameters over the module's own (``num_parameters``,
@@ -139,14 +147,8 @@ def _answer_device_and_dtype(module: nn.Module, runtime: Runtime) -> None:
         _check_conversion(fn, self.__dict__["_yashard_device"])
         return cls._apply(self, fn, recurse)
 
-    def _runtime(self):
-        rt = self.__dict__["_yashard_runtime"]()
-        if rt is None:
-            raise RuntimeError("the yashard runtime of this module is gone (its ShardedModel was dropped)")
-        return rt
-
     def _units(self):
-        return _runtime(self).units
+        return _live_runtime(self).units
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         # as FSDP2's fully_shard leaves them: the module's parameters are this rank's shards (the
@@ -179,7 +181,7 @@ def _answer_device_and_dtype(module: nn.Module, runtime: Runtime) -> None:
         # parameters frozen when yashard.shard ran stay frozen: shards of only those stay off).
         # (torch's own walks named_parameters(), the shards: it sets them all, so it runs first)
         cls.requires_grad_(self, requires_grad)
-        _runtime(self).set_requires_grad(requires_grad)
+        _live_runtime(self).set_requires_grad(requires_grad)
         return self
 
     members = {
@@ -241,10 +243,8 @@ def _answer_inner(module: nn.Module, prefix: str, runtime: Runtime, outer: dict)
         return cls._apply(self, fn, recurse)
 
     def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
-        rt = self.__dict__["_yashard_runtime"]()
-        if rt is None:
-            raise RuntimeError("the yashard runtime of this module is gone (its ShardedModel was dropped)")
-        return _count_parameters(self, rt.units, self.__dict__["_yashard_prefix"], only_trainable, exclude_embeddings)
+        return _count_parameters(self, _live_runtime(self).units, self.__dict__["_yashard_prefix"], only_trainable,
+                                 exclude_embeddings)
 
     members = {"_apply": _apply, "device": outer["device"], "dtype": outer["dtype"],
                "__reduce_ex__": _refuse_copy, "__deepcopy__": outer["__deepcopy__"]}
@@ -504,9 +504,7 @@ def shard(model: nn.Module, *, config: ShardConfig | None = None, process_group=
 def _folder_dtype(hf_config) -> torch.dtype:
     """The dtype a folder's config.json names (``dtype``, or ``torch_dtype`` before transformers 5)
     when it is one yashard computes in (fp32, bf16, fp16); fp32 otherwise."""
-    named = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-    if isinstance(named, str):
-        named = getattr(torch, named.removeprefix("torch."), None)
+    named = _as_dtype(getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None))
     return named if named in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
 
 

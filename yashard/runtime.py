@@ -1538,10 +1538,11 @@ def _checkpointed_forward(module: nn.Module, inner, *args, **kwargs):
             cache = kwargs.get(name)
             if cache is None:
                 continue
-            if _cached_tokens(cache):
+            tokens = _cached_tokens(cache)
+            if tokens:
                 raise ValueError(
                     f"{type(module).__name__} is checkpointed (ShardConfig.checkpoint_layers) and was given a KV cache "
-                    f"holding {_cached_tokens(cache)} token(s) in training mode; a recomputed layer cannot write a "
+                    f"holding {tokens} token(s) in training mode; a recomputed layer cannot write a "
                     "cache, and dropping it would attend without those tokens. Call model.eval() to continue from a "
                     "cache with grad on (transformers does not checkpoint then either), or checkpoint fewer layers"
                 )

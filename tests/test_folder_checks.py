@@ -243,6 +243,20 @@ def test_from_pretrained_names_what_it_cannot_do(pg, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="yashard"):
         yashard.shard(build().double())
     assert "parameter(s) are float64 (model.embed_tokens.weight, ...); yashard keeps fp32 master weights" in caplog.text
+    # a float64 folder loaded with the default dtype ("auto": transformers would compute in float64)
+    wide = build().double()
+    folder64 = _save(wide, tmp_path / "fp64")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="yashard"):
+        sm = yashard.from_pretrained(folder64)
+    assert sm.dtype == torch.float32
+    assert f"{folder64} names dtype torch.float64, which yashard does not compute in; it computes in torch.float32" \
+        in caplog.text
+    assert torch.equal(sm.full_state_dict()["model.embed_tokens.weight"], wide.model.embed_tokens.weight.float())
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="yashard"):
+        yashard.from_pretrained(folder64, dtype=torch.float32)
+    assert "does not compute in" not in caplog.text
 
 
 def test_config_differences_that_matter_only_sometimes():

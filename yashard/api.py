@@ -501,11 +501,18 @@ def shard(model: nn.Module, *, config: ShardConfig | None = None, process_group=
     return wrapped
 
 
-def _folder_dtype(hf_config) -> torch.dtype:
+def _folder_dtype(hf_config, path) -> torch.dtype:
     """The dtype a folder's config.json names (``dtype``, or ``torch_dtype`` before transformers 5)
-    when it is one yashard computes in (fp32, bf16, fp16); fp32 otherwise."""
+    when it is one yashard computes in (fp32, bf16, fp16); fp32 otherwise, with a warning when it
+    names another (transformers' ``dtype="auto"`` would compute in a float64 folder's float64)."""
     named = _as_dtype(getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None))
-    return named if named in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+    if named in (torch.float32, torch.bfloat16, torch.float16):
+        return named
+    if named is not None:
+        logger.warning("yashard: %s names dtype %s, which yashard does not compute in; it computes in torch.float32 "
+                       "(fp32 master weights, the stored values rounded to fp32): pass dtype=torch.float32 (or "
+                       "bfloat16/float16) to choose it and silence this", path, named)
+    return torch.float32
 
 
 def _as_dtype(dtype):
@@ -569,7 +576,8 @@ def from_pretrained(path: str | os.PathLike, *, config: ShardConfig | None = Non
     ``AutoModelForCausalLM.from_config`` (e.g. ``attn_implementation="sdpa"``); ``dtype=torch.bfloat16``
     (or float16) computes in that dtype, as ``ShardConfig(param_dtype=...)`` does, with fp32 masters.
     Without ``dtype`` it is ``config.param_dtype`` when a ``config`` is given, else transformers'
-    default for ``from_pretrained``: the folder's dtype (``"auto"``) from transformers 5 on, fp32 before.
+    default for ``from_pretrained``: the folder's dtype (``"auto"``) from transformers 5 on (fp32, with a
+    warning, for a folder in another dtype, e.g. float64), fp32 before.
     transformers' loading arguments that ask for what yashard always does (``low_cpu_mem_usage``,
     ``local_files_only``, ``use_safetensors=True``) are accepted; the others (``device_map``,
     ``revision``, quantization, ...) are refused, naming why."""
@@ -598,7 +606,7 @@ def from_pretrained(path: str | os.PathLike, *, config: ShardConfig | None = Non
         model_kwargs["dtype"] = (config.param_dtype if isinstance(config, ShardConfig) else
                                  "auto" if int(transformers.__version__.split(".")[0]) >= 5 else torch.float32)
     if model_kwargs["dtype"] == "auto":
-        model_kwargs["dtype"] = _folder_dtype(hf_config)
+        model_kwargs["dtype"] = _folder_dtype(hf_config, os.fspath(path))
     with torch.device("meta"):  # dtype=torch.bfloat16: computes in bf16 (ShardConfig.param_dtype), fp32 masters
         model = AutoModelForCausalLM.from_config(hf_config, **{"dtype": torch.float32, **model_kwargs})
     if os.path.isfile(os.path.join(os.fspath(path), "generation_config.json")):

@@ -250,8 +250,11 @@ def test_from_pretrained_names_what_it_cannot_do(pg, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="yashard"):
         sm = yashard.from_pretrained(folder64)
     assert sm.dtype == torch.float32
-    assert f"{folder64} names dtype torch.float64, which yashard does not compute in; it computes in torch.float32" \
-        in caplog.text
+    warned = f"{folder64} names dtype torch.float64, which yashard does not compute in; it computes in torch.float32"
+    # transformers 4.x's default is fp32 whatever the folder holds: nothing to warn about there
+    import transformers
+
+    assert (warned in caplog.text) == (int(transformers.__version__.split(".")[0]) >= 5)
     assert torch.equal(sm.full_state_dict()["model.embed_tokens.weight"], wide.model.embed_tokens.weight.float())
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="yashard"):

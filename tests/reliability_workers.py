@@ -86,6 +86,52 @@ def nonfinite_skip_then_train(rank, world):
     return dict(skipped=skipped, moved=moved, count=sm.runtime.skipped_steps, loss=loss)
 
 
+def discarded_batch(rank, world, mode, how):
+    """Step 0 clean; batch 1 poisoned on every rank (its loss is inf) and thrown away as training
+    loops do, with no optimizer step: ``how`` = "forward" (no backward), "backward" (backward, then
+    ``zero_grad()``) or "backward_in_place" (``zero_grad(set_to_none=False)``), or "eval" (a
+    grad-enabled forward of another batch, never backwarded, between two clean steps); then batch 2.
+    Returns (any error, steps skipped, whether the masters equal bitwise those of a run that never
+    saw batch 1)."""
+    def run(discard: bool):
+        sm, opt = _setup(on_nonfinite=mode)
+        _step(sm, opt, rank, world, 0)
+        if discard:
+            handle = _poison(sm, 2, "forward")
+            ids = batches(2, 2 * world, 8, 96)[1].chunk(world)[rank]
+            loss = sm(input_ids=ids, labels=ids).loss
+            handle.remove()
+            assert not torch.isfinite(loss)
+            if how != "forward":
+                loss.backward()
+            opt.zero_grad(set_to_none=how != "backward_in_place")
+        error = None
+        try:
+            _step(sm, opt, rank, world, 2)
+        except yashard.NonFiniteError as e:
+            error = str(e)
+        return error, sm.runtime.skipped_steps, [u.master.detach().clone() for u in sm.runtime.units]
+
+    if how == "eval":  # (the poisoned forward between the backward and the step of a clean batch)
+        sm, opt = _setup(on_nonfinite=mode)
+        ids = batches(3, 2 * world, 8, 96)
+        sm(input_ids=ids[0].chunk(world)[rank], labels=ids[0].chunk(world)[rank]).loss.backward()
+        handle = _poison(sm, 2, "forward")
+        sm(input_ids=ids[1].chunk(world)[rank], labels=ids[1].chunk(world)[rank])
+        handle.remove()
+        error = None
+        try:
+            opt.step()
+            opt.zero_grad()
+            _step(sm, opt, rank, world, 2)
+        except yashard.NonFiniteError as e:
+            error = str(e)
+        return error, sm.runtime.skipped_steps, None
+    error, skipped, masters = run(True)
+    _, _, clean = run(False)
+    return error, skipped, all(torch.equal(a, b) for a, b in zip(masters, clean))
+
+
 def guard_run(rank, world, debug, diverge):
     sm, opt = _setup(debug_collectives=debug)
     losses = [_step(sm, opt, rank, world, s) for s in range(3)]
@@ -679,14 +725,16 @@ def penalty_on_the_shards(rank, world):
     return worst
 
 
-def unreached_layers_are_skipped(rank, world, penalty=0.0):
+def unreached_layers_are_skipped(rank, world, penalty=0.0, discard=False):
     """Step 0 trains everything; step 1's loss reads hidden_states[2] only, so layer 2 and lm_head ran
     forward with grad but no rank's backward reaches them. AdamW with weight decay: torch skips
     their parameters (.grad None), and so must the sharded run; with ``penalty``, step 1 adds
     ``penalty`` x the sum of squares of every parameter (of the shards: summed over ranks, the
-    whole model's), which reaches them through autograd alone, so they step. Per parameter, the
-    relative difference to the unsharded model (its loss averaged over the ranks' halves) after
-    step 1."""
+    whole model's), which reaches them through autograd alone, so they step. With ``discard``, a
+    batch between the two steps is backwarded through the whole model and thrown away
+    (``zero_grad()``, no step), as a loop skipping a loss spike does: it leaves no trace. Per
+    parameter, the relative difference to the unsharded model (its loss averaged over the ranks'
+    halves) after step 1."""
     import copy
 
     ref = build(num_hidden_layers=3)
@@ -705,6 +753,11 @@ def unreached_layers_are_skipped(rank, world, penalty=0.0):
         return penalty * sum(p.pow(2).sum() for p in model.parameters()) if penalty else 0.0
 
     for step in range(2):
+        if step == 1 and discard:
+            for model, o in ((sm, opt), (ref, ropt)):
+                ids = data[1].chunk(world)[rank]
+                model(input_ids=ids, labels=ids).loss.backward()
+                o.zero_grad()
         (reg(sm) * step + loss_of(sm, data[step].chunk(world)[rank], step)).backward()
         (reg(ref) * step + sum(loss_of(ref, h, step) for h in data[step].chunk(world)) / world).backward()
         opt.step()

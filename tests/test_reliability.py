@@ -13,7 +13,7 @@ import torch
 import yashard
 
 from harness import run_distributed, run_until_exit
-from reliability_workers import (backward_raises_then_training_goes_on, clip_p_norms, unreached_layers_are_skipped, gradients_of_inputs_only, penalty_on_the_shards, inputs_embeds_from_the_input_embedding, ranks_build_different_models, generate_uneven_lengths, torch_clip_on_masters, scaler_floor, default_backend_step, die_or_stall, fp16_nonfinite_without_scaler, fp16_scaler_misuse,
+from reliability_workers import (backward_raises_then_training_goes_on, clip_p_norms, discarded_batch, unreached_layers_are_skipped, gradients_of_inputs_only, penalty_on_the_shards, inputs_embeds_from_the_input_embedding, ranks_build_different_models, generate_uneven_lengths, torch_clip_on_masters, scaler_floor, default_backend_step, die_or_stall, fp16_nonfinite_without_scaler, fp16_scaler_misuse,
                                  guard_run, lm_head_too_early, nonfinite, nonfinite_skip_then_train,
                                  optimizer_before_shard, prefetch_after_step, reads_between_step_and_forward, scaler_lifetime, scaler_steps, uneven_layers,
                                  uneven_micro_batches)
@@ -44,6 +44,18 @@ def test_nonfinite_skip_leaves_the_weights_and_trains_on():
         assert res["skipped"] and res["moved"] and res["count"] == 1
     for res in run_distributed(nonfinite, 2, "ignore", "forward"):
         assert not res["unchanged"]  # ignore: the step ran (and poisoned the weights)
+
+
+@pytest.mark.parametrize("mode", ["raise", "skip"])
+@pytest.mark.parametrize("how", ["forward", "backward", "backward_in_place", "eval"])
+def test_a_batch_thrown_away_for_its_nonfinite_loss_leaves_no_trace(mode, how):
+    """The usual loop skips a batch whose loss is not finite (no backward, or a backward and then
+    zero_grad(), and no step). Its forward's NaN/inf counted until the next step, which raised
+    (blaming a forward the user had thrown away) or was skipped without a word; only forwards whose
+    gradients the step uses count, as does a grad-enabled forward never backwarded (an evaluation)."""
+    for error, skipped, same in run_distributed(discarded_batch, 2, mode, how):
+        assert error is None and skipped == 0, (error, skipped)
+        assert same in (True, None)  # bitwise the run that never saw the batch
 
 
 def test_collective_order_guard():
@@ -390,6 +402,12 @@ def test_layers_no_rank_backward_reached_are_skipped_by_the_optimizer():
     # a penalty on the shards reaches them through autograd alone: they keep that gradient and step
     for diff in run_distributed(unreached_layers_are_skipped, 2, 0.01):
         assert max(diff.values()) < 1e-5, diff
+    # a batch backwarded and thrown away (zero_grad(), no step) before step 1 changes none of this:
+    # its gradient flags went with its gradients (before, AdamW stepped the unreached shards: 0.33 off)
+    for diff in run_distributed(unreached_layers_are_skipped, 2, 0.0, True):
+        skipped = {n: d for n, d in diff.items() if ("layers.2." in n or n == "lm_head.weight") and "norm" not in n}
+        assert len(skipped) == 8 and max(skipped.values()) < 1e-6, skipped
+        assert max(d for n, d in diff.items() if "norm" not in n) < 1e-5, diff
 
 
 def test_clip_grad_norm_by_any_p_norm_matches_torch():

@@ -337,12 +337,17 @@ class Runtime:
             # the recompute of a checkpointed layer reads its own views and the norm group's: those
             # of the grad-enabled forward it belongs to are put back when its backward starts
             u.keep_backward_views = checkpointed or (u.kind == "small" and self.config.checkpoint_layers > 0)
-        # Since the last optimizer step: did a unit's forward output / reduced gradient hold a NaN/inf?
-        # (forward: the sum of every grad-enabled forward's first floating output, NaN/inf if one held it)
-        # (fp64 where the device has it: fp32-finite sums of many forwards cannot overflow it)
-        self.fwd_sums = torch.zeros(len(self.units), device=self.device,
-                                    dtype=torch.float64 if self.device.type in ("cpu", "cuda") else torch.float32)
-        self._fwd_sums = list(self.fwd_sums.unbind())  # (one persistent 0-d view per unit)
+        # Did a unit's forward output hold a NaN/inf, in a forward whose gradients the step would use?
+        # (the sum of each grad-enabled forward's first floating output, NaN/inf if one held it; fp64
+        # where the device has it: fp32-finite sums of many forwards cannot overflow it). A forward's
+        # sums wait in fwd_pending and join fwd_sums when its backward starts: a forward that is never
+        # backwarded (a batch skipped for its NaN loss) counts for nothing, and gradients dropped since
+        # the last backward (zero_grad) take their forwards' sums with them (begin_backward).
+        fwd_dtype = torch.float64 if self.device.type in ("cpu", "cuda") else torch.float32
+        self.fwd_sums = torch.zeros(len(self.units), device=self.device, dtype=fwd_dtype)
+        self.fwd_pending = torch.zeros_like(self.fwd_sums)
+        self._fwd_pending = list(self.fwd_pending.unbind())  # (one persistent 0-d view per unit)
+        self._fwd_pending_id = None  # the forward whose sums fwd_pending holds
         self._clip_finite = None  # (per-unit 'gradient is finite' flags, the grads' versions) of the last clip
         self.trainable_entries = None  # (the step's checks: see guards._trainable_entries)
         self.warned_no_grad: set[str] = set()  # parameters named in the step's "got no gradient" warning
@@ -836,7 +841,10 @@ class Runtime:
             first = next((x for x in flat if isinstance(x, torch.Tensor) and x.is_floating_point()), None)
         if first is not None and self.config.on_nonfinite != "ignore":
             # which unit first produced a NaN/inf (step_checks): NaN and inf propagate through a sum
-            self._fwd_sums[unit.order].add_(first.detach().sum(dtype=torch.float32))
+            if self._fwd_pending_id != unit.fwd_id:  # (a forward never backwarded: dropped)
+                self.fwd_pending.zero_()
+                self._fwd_pending_id = unit.fwd_id
+            self._fwd_pending[unit.order].add_(first.detach().sum(dtype=torch.float32))
         if unit is self.embed or not diff:
             return None  # (the embedding needs no weights in backward)
         unit.fwd_backward = True
@@ -870,10 +878,14 @@ class Runtime:
         self.accumulating = any(will_accumulate(u.token) for u in self.units
                                 if u.fwd_trains and u.fwd_id == self.grad_fwd_id)
         if self.accumulating:
+            self._count_forward_sums()
             fresh = self.stepped_since_backward  # (not at the step itself: a second optimizer of this
             self.stepped_since_backward = False  # model checks the same flags, see guards.step_checks)
             for u in self.units:
-                if fresh:
+                # the flags say which parameters the gradients in .grad came from: they start afresh
+                # after a step, and for a shard whose .grad was dropped since (zero_grad() with no step,
+                # a batch thrown away): else the step would keep a .grad no backward since reached
+                if fresh or u.master.grad is None:
                     u.got_grad = [False] * len(u.got_grad)
                     u.attached_from_none = False
                 if u.grad_storage is None or not u.master.requires_grad:
@@ -892,6 +904,20 @@ class Runtime:
                         u.attached_from_none = True
             self._forget_dropped_unreduced()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _count_forward_sums(self) -> None:
+        """A backward of forward ``grad_fwd_id`` starts: its forward-output sums now count for the
+        step (``fwd_sums``). When every gradient the last backward left was dropped or zeroed since
+        (``zero_grad()``, either mode, with no step: a batch thrown away), the sums of the forwards
+        that made them go too."""
+        kept = any(u.grad_storage is not None and u.master.grad is u.grad_storage
+                   and u.grad_storage._version == u.grad_end_version for u in self.units)
+        if not kept:
+            self.fwd_sums.zero_()
+        if self._fwd_pending_id == self.grad_fwd_id:
+            self.fwd_sums.add_(self.fwd_pending)
+            self.fwd_pending.zero_()
+            self._fwd_pending_id = None
 
     def on_unit_backward_start(self, unit: Unit, fwd_id: int, views: list | None = None) -> None:
         self.begin_backward()
@@ -1054,7 +1080,9 @@ class Runtime:
                         u.master.grad = None
                     u.grad_unwritten = False
             for u in self.units:
-                if u.unreduced:  # a zero_grad from now on changes it: see begin_backward
+                if u.grad_storage is not None:  # a zero_grad from now on changes it: see begin_backward
+                    u.grad_end_version = u.grad_storage._version
+                if u.unreduced:
                     u.unreduced_version = u.grad_storage._version
                 if u.views_until == "backward":
                     u.remove_views()

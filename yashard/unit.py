@@ -124,12 +124,14 @@ class Unit:
         self.next_forward: Unit | None = None
         self.grad_claimed = False
         self.written = [False] * len(layout.entries)
-        # Per entry: did this rank's backwards give it a gradient since the last optimizer step
-        # (the step's checks tell a parameter no rank's loss reached: see guards.step_checks).
+        # Per entry: did this rank's backwards give it a gradient since the last optimizer step, or
+        # since .grad was dropped (the step's checks tell a parameter no rank's loss reached: see
+        # guards.step_checks).
         self.got_grad = [False] * len(layout.entries)
-        # Since the last optimizer step, a backward attached grad_storage as .grad where it was None
-        # (a shard no rank's backward reached goes back to None at the step: guards.step_checks).
+        # Since then, a backward attached grad_storage as .grad where it was None (a shard no rank's
+        # backward reached goes back to None at the step: guards.step_checks).
         self.attached_from_none = False
+        self.grad_end_version = -1  # grad_storage._version at the end of the last backward
         self.reduced_in_pass = False
         # no_sync(): the grad slot holds this unit's gradients of earlier backwards, not yet reduced
         # (only with reshard_after_forward=False, where the slot is the unit's alone; over one rank

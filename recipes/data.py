@@ -135,7 +135,11 @@ def read_jsonl_pairs(path: str | Path) -> list[tuple[str, str]]:
                                  f"a JSON {type(obj).__name__}")
             if "prompt" not in obj or "response" not in obj:
                 raise ValueError(f"{path}:{lineno}: expected keys 'prompt' and 'response', got {sorted(obj)}")
-            pairs.append((str(obj["prompt"]), str(obj["response"])))
+            for key in ("prompt", "response"):  # (str() would train on "None" or a list's repr)
+                if not isinstance(obj[key], str):
+                    raise ValueError(f"{path}:{lineno}: '{key}' must be a string, got "
+                                     f"{'null' if obj[key] is None else 'a JSON ' + type(obj[key]).__name__}")
+            pairs.append((obj["prompt"], obj["response"]))
     if not pairs:
         raise ValueError(f"{path}: no examples")
     return pairs

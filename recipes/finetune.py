@@ -35,5 +35,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
-    train.exit_now()
+    train.main_or_usage_error(main)

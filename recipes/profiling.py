@@ -126,5 +126,4 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main()
-    train.exit_now()
+    train.main_or_usage_error(main)

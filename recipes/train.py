@@ -26,6 +26,7 @@ import socket
 import sys
 import time
 import typing
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +39,9 @@ import yashard
 from data import EVAL_STREAM, IGNORE_INDEX, build_datasets, load_tokenizer, micro_batches, rank_slice
 from schedule import lr_at
 
+BYTE_LEVEL = "byte-level"  # --tokenizer byte-level: recipes/data.py's ByteTokenizer
+# What a byte-level run writes into its final/ folder, so that --model <that folder> trains on bytes again
+BYTE_TOKENIZER_FILE = "byte_tokenizer.json"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # fp16: with loss scaling
 
 # Llama shapes for random-init models (--model-size). Parameter counts with the 259-id byte
@@ -56,7 +60,7 @@ MODEL_SIZES = {
 class TrainConfig:
     """Options every recipe shares; each recipe subclasses it to add its model source and defaults."""
 
-    tokenizer: str | None = field(default=None, metadata={"help": "local HF tokenizer folder (default: the model's, else byte-level)"})
+    tokenizer: str | None = field(default=None, metadata={"help": "local HF tokenizer folder, or byte-level (default: the model folder's, else byte-level)"})
     data: str | None = field(default=None, metadata={"help": ".txt (plain LM) or .jsonl {prompt, response} (SFT); default: Python stdlib sources"})
     max_bytes: int = field(default=4_000_000, metadata={"help": "cap on text bytes read for stdlib / .txt data"})
     eval_fraction: float = field(default=0.05, metadata={"help": "fraction of the data held out for eval"})
@@ -204,6 +208,12 @@ def resume_problem(cfg: TrainConfig, extra: dict | None, ckpt: Path) -> str | No
     if extra is None:
         return None
     step = int(extra["step"])
+    logged = _saved_config(Path(cfg.out_dir)).get("run")
+    if extra.get("run") is not None and logged is not None and extra["run"] != logged:
+        return (f"the checkpoint in {ckpt} (step {step}) belongs to an earlier run than the log.jsonl and config.json "
+                f"in {cfg.out_dir}: a later run started over at step 0 there without --resume and saved no checkpoint, "
+                "so resuming would continue the earlier run's weights under the later run's log. Leave out --resume "
+                "true to start a new run (its first save replaces that checkpoint), or pass another --out-dir")
     if cfg.steps < step:
         before = _saved_steps(Path(cfg.out_dir))
         return (f"--steps {cfg.steps} is below step {step}, where the checkpoint in {ckpt} was saved, so --resume true "
@@ -378,7 +388,7 @@ def check_folders(cfg: TrainConfig, which: tuple[str, ...] = ("model", "tokenize
     run's --out-dir or its sharded checkpoint: the message says to use --resume). Reads no weights."""
     for what in which:
         flag, path = f"--{what}", getattr(cfg, what, None)
-        if path is None:
+        if path is None or (what == "tokenizer" and path == BYTE_LEVEL):
             continue
         problem = _folder_problem(flag, path, what)
         if problem and not Path(path).exists():
@@ -447,7 +457,7 @@ def _check_vocab(hf_config, tok, source: str) -> None:
                          "(or a config with a larger vocab_size)")
 
 
-def build_model(cfg: TrainConfig, tok):
+def build_model(cfg: TrainConfig, tok, note=None):
     """The HF model, identical on every rank (yashard also broadcasts rank 0's weights).
 
     The source is the first of these the config has and sets: ``model`` (a local HF checkpoint
@@ -455,7 +465,9 @@ def build_model(cfg: TrainConfig, tok):
     folder's safetensors files, so no rank holds the full model), ``config`` (an HF config.json,
     random init) or ``model_size`` (a ``MODEL_SIZES`` preset, random init); with none, the "tiny"
     preset. The model's vocabulary must cover the tokenizer's ids (checked on the config, before
-    any weights are made).
+    any weights are made). A random-init model's special-token ids are the tokenizer's (a ``--config``
+    naming others is changed, with a ``note``); ``note`` (print on rank 0) also says when a 16-bit
+    ``--model`` folder is trained and exported in fp32.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -464,6 +476,12 @@ def build_model(cfg: TrainConfig, tok):
         check_folders(cfg, ("model",))
         hf_config = AutoConfig.from_pretrained(cfg.model)
         _check_vocab(hf_config, tok, f"--model {cfg.model}")
+        stored = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        stored = getattr(torch, stored, None) if isinstance(stored, str) else stored
+        if note and stored in (torch.bfloat16, torch.float16) and DTYPES[cfg.param_dtype] == torch.float32:
+            note(f"note: --model {cfg.model} stores {stored} weights; this run computes in fp32 (--param-dtype fp32) "
+                 f"and exports fp32 to final/ (twice the size): pass --param-dtype "
+                 f"{'bf16' if stored == torch.bfloat16 else 'fp16'} to keep {stored}")
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     if getattr(cfg, "config", None) is not None:
@@ -472,6 +490,15 @@ def build_model(cfg: TrainConfig, tok):
         positions = getattr(hf_config, "max_position_embeddings", None)
         if positions is not None and positions < cfg.seq_len:  # random init trains every position (as the presets)
             hf_config.max_position_embeddings = cfg.seq_len
+        # the ids the data carries (BOS/EOS around each document, PAD): what the exported config must say
+        changed = []
+        for key, value in (("bos_token_id", tok.bos_id), ("eos_token_id", tok.eos_id), ("pad_token_id", tok.pad_id)):
+            if getattr(hf_config, key, None) != value:
+                changed.append(f"{key} {getattr(hf_config, key, None)} -> {value}")
+                setattr(hf_config, key, value)
+        if changed and note:
+            note(f"note: --config {cfg.config}: {', '.join(changed)}, the tokenizer's, which the training data uses "
+                 "(final/config.json says so)")
         return AutoModelForCausalLM.from_config(hf_config).float()
     size = getattr(cfg, "model_size", None) or "tiny"
     return AutoModelForCausalLM.from_config(preset_config(size, tok, cfg.seq_len)).float()
@@ -491,6 +518,18 @@ def position_warning(hf_config, seq_len: int) -> str | None:
     return (f"WARNING: --seq-len {seq_len} is longer than the model's max_position_embeddings {positions}: "
             "positions past it were never trained. Lower --seq-len, or extend the context in the model's config "
             "(rope_scaling) first")
+
+
+def schedule_note(cfg: TrainConfig) -> str | None:
+    """What a run too short for its warmup gets of the schedule (recipes/schedule.py), if not all."""
+    if cfg.warmup_steps <= cfg.steps - 2:
+        return None
+    if cfg.warmup_steps > cfg.steps:
+        return (f"note: --steps {cfg.steps} ends inside the --warmup-steps {cfg.warmup_steps} warmup: the learning "
+                f"rate never reaches --lr {cfg.lr:g} (it ends at {cfg.lr * cfg.steps / cfg.warmup_steps:g}) and does "
+                "not decay; lower --warmup-steps")
+    return (f"note: --steps {cfg.steps} leaves no step after the --warmup-steps {cfg.warmup_steps} warmup to decay "
+            f"in: the learning rate ends at --lr {cfg.lr:g}, not at --min-lr-ratio x --lr; lower --warmup-steps")
 
 
 def describe_model(cfg: TrainConfig) -> str:
@@ -527,6 +566,23 @@ def _has_tokenizer_files(path: str) -> bool:
     return any((Path(path) / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
 
 
+def tokenizer_path(tokenizer: str | None, model: str | None) -> str | None:
+    """The tokenizer a run uses (None: byte-level): ``--tokenizer``; else the ``--model`` folder's own
+    (HF tokenizer files, or the byte-level marker a byte-level recipe run writes into its final/);
+    else, without ``--model``, byte-level. A ``--model`` folder with neither is refused: its ids mean
+    some tokenizer's tokens, and training it on bytes would be silently wrong."""
+    if tokenizer is not None:
+        return None if tokenizer == BYTE_LEVEL else tokenizer
+    if model is None or (Path(model) / BYTE_TOKENIZER_FILE).is_file():
+        return None
+    if _has_tokenizer_files(model):
+        return model
+    raise ValueError(f"--model {model} holds no tokenizer (no tokenizer.json, tokenizer_config.json or tokenizer.model): "
+                     "its token ids belong to the tokenizer it was trained with. Pass that tokenizer's folder with "
+                     f"--tokenizer, or --tokenizer {BYTE_LEVEL} if the model was trained on the recipes' byte-level "
+                     "tokenizer (the final/ folder of a byte-level recipe run says so itself from this version on)")
+
+
 @dataclass
 class Session:
     """Everything the loop needs, made once by :func:`setup`."""
@@ -547,14 +603,28 @@ class Session:
     tokens_per_step: int
     start_step: int = 0
     frozen: list[str] = field(default_factory=list)  # names of the parameters --freeze froze (saved with checkpoints)
+    run_id: str | None = None  # this run's id (config.json, checkpoints): see setup
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
 
+# What setup raises for what a run was given (folders, data, a checkpoint): a usage error
+SETUP_ERRORS = (ValueError, FileNotFoundError, yashard.CheckpointError)
+
+
 def setup(cfg: TrainConfig) -> Session:
-    """Process group, tokenizer, data, model, sharding and optimizer; prints the run's header."""
+    """Process group, tokenizer, data, model, sharding and optimizer; prints the run's header.
+    Its ``SETUP_ERRORS`` are marked ``before_training`` (:func:`main_or_usage_error`)."""
+    try:
+        return _setup(cfg)
+    except SETUP_ERRORS as e:
+        e.before_training = True
+        raise
+
+
+def _setup(cfg: TrainConfig) -> Session:
     rank, world_size, device = init_distributed()
     is_main = rank == 0
     if not is_main:
@@ -563,14 +633,12 @@ def setup(cfg: TrainConfig) -> Session:
         hf_logging.set_verbosity_error()  # one copy of HF warnings, from rank 0
 
     check_folders(cfg)  # before the tokenizer, the data and the model are made
-    tok_path = cfg.tokenizer
     model_path = getattr(cfg, "model", None)
-    if tok_path is None and model_path is not None and _has_tokenizer_files(model_path):
-        tok_path = model_path
+    tok_path = tokenizer_path(cfg.tokenizer, model_path)
     tok = load_tokenizer(tok_path)
     train_data, held_out, data_desc = build_datasets(cfg.data, tok, cfg.seq_len, cfg.eval_fraction, cfg.max_bytes)
 
-    hf_model = build_model(cfg, tok)
+    hf_model = build_model(cfg, tok, note=print if is_main else None)
     n_params = sum(p.numel() for p in hf_model.parameters())
     n_frozen = freeze(hf_model, cfg.freeze)
     frozen_params = frozen_names(hf_model)  # (before sharding: the names the checkpoint records)
@@ -613,10 +681,16 @@ def setup(cfg: TrainConfig) -> Session:
     out_dir.mkdir(parents=True, exist_ok=True)  # every rank: profiling writes one trace per rank
     start_step = 0
     ckpt = out_dir / "checkpoint"
+    # The run's id, in config.json and in every checkpoint it saves: a resume refuses a checkpoint
+    # left by an earlier run in the same --out-dir (resume_problem). A resumed run keeps its id.
+    run_id = [uuid.uuid4().hex if is_main else None]
+    dist.broadcast_object_list(run_id, src=0)
+    run_id = run_id[0]
     if cfg.resume and (ckpt / "LATEST").exists():
         wanted = [group["weight_decay"] for group in opt.param_groups]  # --weight-decay (no-decay group: 0)
         extra = yashard.load_checkpoint(ckpt, model, opt)  # also restores the saved param-group hyperparameters
         start_step = extra["step"]
+        run_id = extra.get("run") or run_id
         problem = resume_problem(cfg, extra, ckpt)  # (validate checked the index already)
         if problem:
             raise ValueError(problem)
@@ -638,16 +712,24 @@ def setup(cfg: TrainConfig) -> Session:
                       f"{global_batch} (--micro-batch {cfg.micro_batch} per rank x --accum-steps {cfg.accum_steps} x "
                       f"world size {world_size}): the batches, the held-out batches (eval_loss) and the loss curve differ "
                       "from the uninterrupted run. "
-                      f"Choose --micro-batch and --accum-steps so that their product times the world size is {saved} "
-                      "to keep it")
+                      + (f"Choose --micro-batch and --accum-steps so that their product times the world size is {saved} "
+                         "to keep it" if saved % world_size == 0 else
+                         f"A world size that divides {saved} keeps it (at {world_size}, none does)"))
     elif cfg.resume and is_main:
         print(f"--resume: no checkpoint in {ckpt} yet, starting at step 0")
     elif is_main and (ckpt / "LATEST").exists():
+        saves = cfg.save_every > 0 or cfg.stop_at is not None
         print(f"WARNING: {ckpt} holds a checkpoint and this run starts at step 0 without --resume true: its log.jsonl "
-              "is rewritten now and its checkpoint replaced at the first save. Pass --resume true to continue it, or "
-              "another --out-dir")
+              "is rewritten now and its checkpoint " + ("replaced at the first save" if saves else
+                                                        "kept, though this run saves none (--save-every 0), and no "
+                                                        "longer resumable (it belongs to the earlier run)")
+              + ". Pass --resume true to continue it, or another --out-dir")
     if is_main:
-        (out_dir / "config.json").write_text(json.dumps({**dataclasses.asdict(cfg), "world_size": world_size}, indent=2))
+        (out_dir / "config.json").write_text(json.dumps({**dataclasses.asdict(cfg), "world_size": world_size,
+                                                         "run": run_id}, indent=2))
+        schedule = schedule_note(cfg)
+        if schedule:
+            print(schedule)
         frozen = f", {n_frozen / 1e6:.2f}M of them frozen" if n_frozen else ""
         print(f"model: {describe_model(cfg)} ({n_params / 1e6:.2f}M params{frozen}), "
               f"tokenizer: {tok_path or 'byte-level'}, data: {data_desc}")
@@ -655,7 +737,7 @@ def setup(cfg: TrainConfig) -> Session:
               f"{global_batch} x {cfg.seq_len} = {tokens_per_step:,} tokens/step")
         print(model.memory_plan())
     return Session(cfg, rank, world_size, device, tok, train_data, held_out, hf_model, model, opt, scaler,
-                   out_dir, global_batch, tokens_per_step, start_step, frozen_params)
+                   out_dir, global_batch, tokens_per_step, start_step, frozen_params, run_id)
 
 
 # --------------------------------------------------------------------------------------------
@@ -737,7 +819,8 @@ def train_loop(s: Session, profiler=None) -> list[dict]:
     history: list[dict] = []
     s.model.train()
     bar = tqdm(initial=s.start_step, total=cfg.steps, disable=not s.is_main, dynamic_ncols=True, desc="train")
-    train_time = 0.0  # seconds spent in training steps (evaluation excluded)
+    # seconds spent in training steps (evaluation excluded), counted on from the log a resumed run continues
+    train_time = _logged_elapsed(s.out_dir / "log.jsonl", s.start_step) if s.start_step and s.is_main else 0.0
     for step in range(s.start_step, cfg.steps):
         lr = lr_at(step, lr=cfg.lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps, min_lr_ratio=cfg.min_lr_ratio)
         for group in s.opt.param_groups:
@@ -766,7 +849,11 @@ def train_loop(s: Session, profiler=None) -> list[dict]:
             s.scaler.unscale_(s.opt)  # (a no-op unless fp16)
             grad_norm = s.model.clip_grad_norm_(max_norm)
         with record_function("yashard::optimizer_step"):
-            s.scaler.step(s.opt)      # fp16: skipped on every rank if a gradient is not finite
+            try:
+                s.scaler.step(s.opt)      # fp16: skipped on every rank if a gradient is not finite
+            except yashard.NonFiniteError as e:
+                raise yashard.NonFiniteError(f"step {step + 1}: {e}. In the recipes: lower --lr (now {cfg.lr:g}) or "
+                                             f"raise --warmup-steps (now {cfg.warmup_steps})") from None
             s.scaler.update()
             s.opt.zero_grad(set_to_none=True)
         with record_function("yashard::loss_all_reduce"):
@@ -778,14 +865,6 @@ def train_loop(s: Session, profiler=None) -> list[dict]:
         if profiler is not None:
             profiler.step()
         stop = step + 1 == (cfg.stop_at or cfg.steps)
-        # --stop-at always saves (a stopped run is continued with --resume), even with --save-every 0
-        if (stop and cfg.stop_at is not None) or (cfg.save_every > 0 and ((step + 1) % cfg.save_every == 0 or stop)):
-            with record_function("yashard::save_checkpoint"):
-                extra = {"step": step + 1, "global_batch": s.global_batch, "freeze": s.cfg.freeze,
-                         "frozen": s.frozen}
-                if s.scaler.is_enabled():
-                    extra["grad_scaler"] = s.scaler.state_dict()
-                yashard.save_checkpoint(s.out_dir / "checkpoint", s.model, s.opt, extra=extra)
 
         record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": float(grad_norm),  # inf: an fp16 step skipped
                   "tokens_per_s": s.tokens_per_step / dt, "elapsed": train_time}
@@ -800,6 +879,16 @@ def train_loop(s: Session, profiler=None) -> list[dict]:
             log_file.flush()
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
                             mem=f"{memory_mb(device):.0f}MB", refresh=False)
+        # The checkpoint comes after the step's evaluation and log record: a run killed in between
+        # resumes from the previous checkpoint and logs the step again (the log is cut back to it).
+        # --stop-at always saves (a stopped run is continued with --resume), even with --save-every 0.
+        if (stop and cfg.stop_at is not None) or (cfg.save_every > 0 and ((step + 1) % cfg.save_every == 0 or stop)):
+            with record_function("yashard::save_checkpoint"):
+                extra = {"step": step + 1, "global_batch": s.global_batch, "freeze": s.cfg.freeze,
+                         "frozen": s.frozen, "run": s.run_id}
+                if s.scaler.is_enabled():
+                    extra["grad_scaler"] = s.scaler.state_dict()
+                yashard.save_checkpoint(s.out_dir / "checkpoint", s.model, s.opt, extra=extra)
         bar.update(1)  # counted here, so a run that stops (--stop-at, last step) shows its last step
         if stop:
             break
@@ -848,6 +937,13 @@ def save_plot(history: list[dict], path: Path) -> bool:
     return True
 
 
+def _logged_elapsed(path: Path, step: int) -> float:
+    """The training seconds of the last record the log has at or before ``step`` (0 if none)."""
+    if not path.exists():
+        return 0.0
+    return next((float(r.get("elapsed", 0.0)) for r in reversed(read_log(path)) if r["step"] <= step), 0.0)
+
+
 def _truncate_log(path: Path, step: int) -> None:
     """Drop log records after ``step`` (a run that died after its last checkpoint logged more)."""
     if path.exists():
@@ -874,8 +970,7 @@ def write_outputs(s: Session, history: list[dict], *, save_final: bool = True, p
         return {}
     written = [s.out_dir / "log.jsonl"]
     if save_final:
-        if hasattr(s.tok, "tok"):  # an HF tokenizer: keep the folder self-contained
-            s.tok.tok.save_pretrained(s.out_dir / "final")
+        write_tokenizer(s.tok, s.out_dir / "final")
         written.append(s.out_dir / "final")
     if s.cfg.save_every > 0 or s.cfg.stop_at is not None:
         written.append(s.out_dir / "checkpoint")
@@ -892,6 +987,29 @@ def write_outputs(s: Session, history: list[dict], *, save_final: bool = True, p
           f"{summary['memory_mb']:.0f} MB (rank 0), {summary['train_seconds']:.1f}s training")
     print("wrote " + ", ".join(str(p) for p in written))
     return summary
+
+
+# What HF tokenizers save (save_pretrained) across their kinds, and the byte-level marker: a final/
+# folder holds its own run's tokenizer only (export_hf keeps the files a folder had before)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+                    "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt", "spiece.model", "chat_template.jinja",
+                    "chat_template.json", BYTE_TOKENIZER_FILE)
+
+
+def write_tokenizer(tok, folder: Path) -> None:
+    """Make ``folder`` (an HF export) hold this run's tokenizer and no other: an HF tokenizer's
+    ``save_pretrained`` files, or for the byte-level one the marker that ``--model`` reads back
+    (:func:`tokenizer_path`); another tokenizer's files left by an earlier run go first."""
+    for name in _TOKENIZER_FILES:
+        (folder / name).unlink(missing_ok=True)
+    if hasattr(tok, "tok"):  # an HF tokenizer: keep the folder self-contained
+        tok.tok.save_pretrained(folder)
+    else:
+        (folder / BYTE_TOKENIZER_FILE).write_text(json.dumps({
+            "tokenizer": BYTE_LEVEL, "vocab_size": tok.vocab_size, "pad_token_id": tok.pad_id,
+            "bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id,
+            "about": "the yashard recipes' byte-level tokenizer (recipes/data.py ByteTokenizer): ids 0-255 are the "
+                     "UTF-8 bytes; --model <this folder> trains on it again"}, indent=2) + "\n")
 
 
 def shutdown() -> None:
@@ -919,8 +1037,32 @@ def run(cfg: TrainConfig) -> dict:
     return summary
 
 
+def main_or_usage_error(main) -> None:
+    """Run a recipe's ``main``; an error in what the run was given (a folder, a data file, a
+    checkpoint to resume: ``ValueError``, ``FileNotFoundError``, ``yashard.CheckpointError``, raised
+    before training starts) ends the process with a usage error (its message on rank 0's stderr,
+    exit code 2) instead of a traceback from every rank. Then :func:`exit_now`."""
+    try:
+        main()
+    except SETUP_ERRORS as e:
+        if getattr(e, "before_training", False):
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                print(f"{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(2)
+        raise
+    exit_now()
+
+
 def exit_now() -> None:
     """End the process without interpreter teardown (gloo can abort at exit after destroy)."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+if __name__ == "__main__":
+    print(f"{Path(sys.argv[0]).name} is the training loop the recipes share, not a recipe: run recipes/finetune.py "
+          "or recipes/pretrain.py (--help lists their options)", file=sys.stderr)
+    sys.exit(2)

@@ -137,6 +137,9 @@ def test_pretrain_log_and_loss_trend(pretrain_run):
     assert log[-1]["eval_loss"] < log[7]["eval_loss"]
     assert "random init from" in stdout and "global batch 16 x 64 = 1,024 tokens/step" in stdout
     _check_png(out / "loss.png")
+    # byte-level: final/ says so, so --model <final/> trains on bytes again (the SFT run does)
+    assert json.loads((out / "final" / train.BYTE_TOKENIZER_FILE).read_text())["tokenizer"] == "byte-level"
+    assert not (out / "final" / "tokenizer.json").exists()
 
 
 def test_pretrain_checkpoint_reproduces_the_final_eval_loss(pretrain_run):
@@ -179,6 +182,8 @@ def test_stop_and_resume_reproduce_the_uninterrupted_run_bitwise(pretrain_run, t
     resumed = [{k: r.get(k) for k in keys} for r in read_log(out / "log.jsonl")]
     uninterrupted = [{k: r.get(k) for k in keys} for r in read_log(full_out / "log.jsonl")]
     assert resumed == uninterrupted
+    elapsed = [r["elapsed"] for r in read_log(out / "log.jsonl")]
+    assert elapsed == sorted(elapsed) and elapsed[10] > elapsed[9]  # training seconds count on over the resume
     _check_png(out / "loss.png")
     from safetensors.torch import load_file
 
@@ -635,6 +640,10 @@ def test_jsonl_data_errors_name_the_file_and_line(tmp_path):
     with pytest.raises(ValueError, match=r"sft\.jsonl:2: expected a \{\"prompt\": \.\.\., \"response\": \.\.\.\} "
                                          r"object, got a JSON list"):
         data.build_datasets(str(jsonl), tok, seq_len=16)
+    for bad, what in (("null", "null"), ("[1]", "a JSON list"), ("3", "a JSON int")):
+        jsonl.write_text(f'{good}\n{{"prompt": "a", "response": {bad}}}\n')
+        with pytest.raises(ValueError, match=rf"sft\.jsonl:2: 'response' must be a string, got {what}$"):
+            data.build_datasets(str(jsonl), tok, seq_len=16)  # (str() made them "None" and reprs)
     jsonl.write_text(f"{good}\n")
     with pytest.raises(ValueError, match=r"sft\.jsonl has only 1 example: at least 2 are needed, one held out for "
                                          r"evaluation \(--eval-fraction\) and at least one to train on"):
@@ -759,8 +768,10 @@ def test_resume_with_another_global_batch_and_a_fresh_run_over_a_checkpoint_warn
     # --freeze that differs from the checkpoint's run (which froze nothing): refused before sharding
     proc = _torchrun(ROOT / "recipes" / "pretrain.py", [*args, "--micro-batch", "1", "--stop-at", "3", "--resume",
                                                         "true", "--freeze", "embed_tokens"])
-    assert proc.returncode != 0 and "ValueError: --freeze embed_tokens does not freeze what the run that saved the " \
-        "checkpoint in" in proc.stderr, proc.stderr[-3000:]
+    assert proc.returncode != 0 and "pretrain.py: error: --freeze embed_tokens does not freeze what the run that " \
+        "saved the checkpoint in" in proc.stderr, proc.stderr[-3000:]
+    # one usage line, from rank 0, and no traceback of a rank's own (torchrun still prints its agent's)
+    assert proc.stderr.count("pretrain.py: error:") == 1 and "ValueError" not in proc.stderr, proc.stderr[-3000:]
     stdout = run_recipe("pretrain.py", *args, "--micro-batch", "2", "--stop-at", "1")
     assert re.search(r"WARNING: .*checkpoint holds a checkpoint and this run starts at step 0 without --resume true",
                      stdout), stdout
@@ -797,3 +808,93 @@ def test_data_option_errors(tmp_path, path, message):
     (tmp_path / "corpus.csv").write_text("a,b\n")
     with pytest.raises(ValueError, match=message):
         pretrain.PretrainConfig(data=str(tmp_path / path)).validate()
+
+
+def test_a_model_folder_without_a_tokenizer_is_refused_and_final_holds_the_runs_own(tmp_path):
+    """--model <folder> with no tokenizer trained silently on bytes (ids of another tokenizer's
+    tokens); a byte-level run's final/ now says it is byte-level, and final/ holds only its own run's
+    tokenizer (an earlier run's, kept by export_hf, went with the model it belonged to)."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    with pytest.raises(ValueError, match=rf"^--model {re.escape(str(folder))} holds no tokenizer \(no tokenizer\.json, "
+                                         r"tokenizer_config\.json or tokenizer\.model\): .* Pass that tokenizer's folder "
+                                         r"with --tokenizer, or --tokenizer byte-level if"):
+        train.tokenizer_path(None, str(folder))
+    assert train.tokenizer_path("byte-level", str(folder)) is None
+    assert train.tokenizer_path(str(tmp_path), str(folder)) == str(tmp_path)
+    assert train.tokenizer_path(None, None) is None
+    train.check_folders(finetune.FinetuneConfig(tokenizer="byte-level"))  # (not a folder: the byte-level choice)
+    (folder / "tokenizer.json").write_text("{}")  # an earlier run's tokenizer, kept by export_hf
+    (folder / "special_tokens_map.json").write_text("{}")
+    train.write_tokenizer(data.ByteTokenizer(), folder)
+    assert sorted(p.name for p in folder.iterdir()) == [train.BYTE_TOKENIZER_FILE]
+    assert train.tokenizer_path(None, str(folder)) is None
+    (folder / "tokenizer_config.json").write_text("{}")
+    assert train.tokenizer_path(None, str(folder)) is None  # (the marker is this run's)
+
+
+def test_a_resume_refuses_a_checkpoint_an_earlier_run_left(tmp_path):
+    """A run started over in the same --out-dir without --resume (and saving nothing: --save-every 0)
+    left the earlier run's checkpoint; resuming joined the two runs without a word."""
+    out = tmp_path / "out"
+    (out / "checkpoint").mkdir(parents=True)
+    cfg = finetune.FinetuneConfig(out_dir=str(out), resume=True, steps=8)
+    (out / "config.json").write_text(json.dumps({"run": "later", "steps": 8}))
+    problem = train.resume_problem(cfg, {"step": 6, "run": "earlier"}, out / "checkpoint")
+    assert problem.startswith(f"the checkpoint in {out / 'checkpoint'} (step 6) belongs to an earlier run than the "
+                              f"log.jsonl and config.json in {out}: a later run started over"), problem
+    assert "Leave out --resume true to start a new run" in problem
+    assert train.resume_problem(cfg, {"step": 6, "run": "later"}, out / "checkpoint") is None
+    assert train.resume_problem(cfg, {"step": 6}, out / "checkpoint") is None  # (saved before runs had ids)
+
+
+def test_runs_too_short_for_their_warmup_are_told(capsys):
+    note = train.schedule_note(finetune.FinetuneConfig(steps=3, warmup_steps=5, lr=2e-3))
+    assert note == ("note: --steps 3 ends inside the --warmup-steps 5 warmup: the learning rate never reaches --lr "
+                    "0.002 (it ends at 0.0012) and does not decay; lower --warmup-steps")
+    assert "leaves no step after the --warmup-steps 5 warmup to decay in" in train.schedule_note(
+        finetune.FinetuneConfig(steps=6, warmup_steps=5))
+    assert train.schedule_note(finetune.FinetuneConfig(steps=7, warmup_steps=5)) is None
+
+
+def test_a_random_init_config_takes_the_tokenizers_special_ids(tmp_path):
+    """pretrain --config with other BOS/EOS/PAD ids than the tokenizer's: the data carries the
+    tokenizer's, and the exported config (and so generate()) said the config's."""
+    (tmp_path / "config.json").write_text(json.dumps({**TINY_CONFIG, "bos_token_id": 1, "eos_token_id": 2,
+                                                       "pad_token_id": None}))
+    notes = []
+    model = train.build_model(pretrain.PretrainConfig(config=str(tmp_path), seq_len=64), data.ByteTokenizer(),
+                              note=notes.append)
+    assert (model.config.bos_token_id, model.config.eos_token_id, model.config.pad_token_id) == (257, 258, 256)
+    assert notes == [f"note: --config {tmp_path}: bos_token_id 1 -> 257, eos_token_id 2 -> 258, pad_token_id None "
+                     "-> 256, the tokenizer's, which the training data uses (final/config.json says so)"]
+
+
+def test_errors_in_what_a_run_was_given_are_usage_errors(tmp_path):
+    """Checks that need the files (data, folders, checkpoints) ran after the process group started
+    and printed a traceback from every rank; they end as a usage error. recipes/train.py, which is
+    no recipe, says what to run."""
+    one = tmp_path / "one.jsonl"
+    one.write_text(json.dumps({"prompt": "a", "response": "b"}) + "\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "finetune.py"), "--data", str(one), "--out-dir",
+                           str(tmp_path / "out")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"finetune.py: error: {one} has only 1 example: at least 2 are needed" in proc.stderr, proc.stderr
+    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "train.py"), "--help"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "train.py is the training loop the recipes share, not a recipe: run " \
+        "recipes/finetune.py or recipes/pretrain.py" in proc.stderr, proc.stderr
+
+
+def test_a_16_bit_model_folder_trained_in_fp32_is_noted(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({**TINY_CONFIG, "dtype": "bfloat16"}))
+    notes = []
+    train.build_model(finetune.FinetuneConfig(model=str(tmp_path)), data.ByteTokenizer(), note=notes.append)
+    assert notes == [f"note: --model {tmp_path} stores torch.bfloat16 weights; this run computes in fp32 "
+                     "(--param-dtype fp32) and exports fp32 to final/ (twice the size): pass --param-dtype bf16 to "
+                     "keep torch.bfloat16"]
+    notes.clear()
+    train.build_model(finetune.FinetuneConfig(model=str(tmp_path), param_dtype="bf16"), data.ByteTokenizer(),
+                      note=notes.append)
+    assert notes == []

@@ -86,6 +86,40 @@ def nonfinite_skip_then_train(rank, world):
     return dict(skipped=skipped, moved=moved, count=sm.runtime.skipped_steps, loss=loss)
 
 
+def reads_after_eval_and_load(rank, world, tmp):
+    """What a layer's weight and a norm weight read as between forwards: with checkpoint_layers, a
+    checkpointed layer's weight after a no-grad forward (an evaluation) was a plain view of its
+    slot, showing the layer that used the slot next; a norm weight after load_checkpoint showed the
+    weights before the load until the next forward. Returns the reads that were wrong."""
+    sm = yashard.shard(build(num_hidden_layers=3), config=yashard.ShardConfig(checkpoint_layers=2))
+    opt = torch.optim.AdamW(sm.param_groups(0.1), lr=1e-2)
+    ids = batches(1, 2 * world, 8, 96)[0].chunk(world)[rank]
+    full = sm.full_state_dict()
+    wrong = []
+
+    def check(when):
+        for i, layer in enumerate(sm.module.model.layers):
+            w = layer.self_attn.q_proj.weight
+            if not isinstance(w, yashard.ShardedStub) and not torch.equal(w, full[f"model.layers.{i}.self_attn.q_proj.weight"]):
+                wrong.append(f"{when}: layer {i}")
+
+    with torch.no_grad():
+        sm(input_ids=ids)
+    check("after a no-grad forward")
+    sm(input_ids=ids, labels=ids).loss.backward()
+    with torch.no_grad():
+        sm(input_ids=ids)
+    check("after a training step's backward and a no-grad forward")
+    yashard.save_checkpoint(tmp, sm, opt)
+    opt.step()
+    opt.zero_grad()
+    yashard.load_checkpoint(tmp, sm, opt)
+    norm = sm.module.model.norm.weight
+    if not torch.equal(norm, full["model.norm.weight"]):
+        wrong.append(f"model.norm.weight after load_checkpoint: {(norm - full['model.norm.weight']).abs().max():.3g} off")
+    return wrong
+
+
 def discarded_batch(rank, world, mode, how):
     """Step 0 clean; batch 1 poisoned on every rank (its loss is inf) and thrown away as training
     loops do, with no optimizer step: ``how`` = "forward" (no backward), "backward" (backward, then
@@ -458,13 +492,18 @@ def torch_clip_on_masters(rank, world):
     return out
 
 
-def generate_uneven_lengths(rank, world):
+def generate_uneven_lengths(rank, world, subgroup=False):
     """Greedy generate() where rank 0's sequence ends (EOS) after one token and rank 1's runs on: the
     sharded model turns synced_gpus on, so rank 0 keeps joining the gathers. Both ranks' tokens match
-    the unsharded model's."""
-    sm = yashard.shard(build(num_hidden_layers=2), config=yashard.ShardConfig(collective_timeout=20.0)).eval()
+    the unsharded model's. ``subgroup``: sharded over ranks 0 and 1 of a world of 3, rank 2 does not
+    generate (HF agreed on "finished" over the whole world: rank 1 waited for rank 2 until the timeout)."""
+    group = torch.distributed.new_group([0, 1]) if subgroup else None
+    if subgroup and rank == 2:
+        return None
+    sm = yashard.shard(build(num_hidden_layers=2), process_group=group,
+                       config=yashard.ShardConfig(collective_timeout=20.0)).eval()
     ref = build(num_hidden_layers=2).eval()
-    prompts = [batches(1, 2, 4, 96)[0][r:r + 1] for r in range(world)]
+    prompts = [batches(1, 2, 4, 96)[0][r:r + 1] for r in range(2)]
     with torch.no_grad():
         eos = int(ref(input_ids=prompts[0]).logits[0, -1].argmax())  # rank 0's first greedy token
         kw = dict(max_new_tokens=6, do_sample=False, eos_token_id=eos, pad_token_id=0)

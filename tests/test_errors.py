@@ -669,6 +669,11 @@ def test_state_dict_is_refused_with_the_alternatives(pg, tmp_path):
                                                r"model\.sharded_state_dict\(\) with torch\.distributed\.checkpoint.*"
                                                r"model\.full_state_dict\(\).*yashard\.export_hf"):
             call()
+    # a submodule's state_dict() left its sharded parameters out without a word (it has none)
+    for sub in (sm.module.model, sm.module.lm_head, sm.module.model.layers[0], sm.module.model.layers[0].mlp.up_proj):
+        with pytest.raises(RuntimeError, match=r"state_dict\(\) of a yashard-sharded model"):
+            sub.state_dict()
+    assert sm.module.model.rotary_emb.state_dict() == {}  # (no parameter of its own: as before)
     with pytest.raises(RuntimeError, match=r"load_state_dict\(\) into a yashard-sharded model: .*yashard\.load_checkpoint"
                                            r".*dcp\.load\(model\.sharded_state_dict\(\), checkpoint_id=path\)"
                                            r".*yashard\.from_pretrained"):
@@ -823,6 +828,14 @@ def test_a_sharded_weight_read_outside_its_unit_gives_what_the_unit_computes_in(
     sm.requires_grad_(True)
     assert head.weight.requires_grad
     assert "ShardedStub(lm_head.weight, shape=(96, 32), dtype=torch.bfloat16" in repr(head.weight)
+    # freezing one after shard(): the stub took the flag and lost it (a new one each read), so nothing froze
+    for freeze in (lambda: setattr(head.weight, "requires_grad", False), lambda: head.weight.requires_grad_(False),
+                   lambda: [p.requires_grad_(False) for p in [sm.module.model.embed_tokens.weight]]):
+        with pytest.raises(RuntimeError, match=r"^setting requires_grad of (lm_head|model\.embed_tokens)\.weight after "
+                                               r"yashard\.shard: .*would freeze nothing\. Freeze them before "
+                                               r"yashard\.shard .*or turn a whole master shard off"):
+            freeze()
+    assert head.weight.requires_grad
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

@@ -13,7 +13,7 @@ import torch
 import yashard
 
 from harness import run_distributed, run_until_exit
-from reliability_workers import (backward_raises_then_training_goes_on, clip_p_norms, discarded_batch, unreached_layers_are_skipped, gradients_of_inputs_only, penalty_on_the_shards, inputs_embeds_from_the_input_embedding, ranks_build_different_models, generate_uneven_lengths, torch_clip_on_masters, scaler_floor, default_backend_step, die_or_stall, fp16_nonfinite_without_scaler, fp16_scaler_misuse,
+from reliability_workers import (backward_raises_then_training_goes_on, clip_p_norms, discarded_batch, reads_after_eval_and_load, unreached_layers_are_skipped, gradients_of_inputs_only, penalty_on_the_shards, inputs_embeds_from_the_input_embedding, ranks_build_different_models, generate_uneven_lengths, torch_clip_on_masters, scaler_floor, default_backend_step, die_or_stall, fp16_nonfinite_without_scaler, fp16_scaler_misuse,
                                  guard_run, lm_head_too_early, nonfinite, nonfinite_skip_then_train,
                                  optimizer_before_shard, prefetch_after_step, reads_between_step_and_forward, scaler_lifetime, scaler_steps, uneven_layers,
                                  uneven_micro_batches)
@@ -56,6 +56,13 @@ def test_a_batch_thrown_away_for_its_nonfinite_loss_leaves_no_trace(mode, how):
     for error, skipped, same in run_distributed(discarded_batch, 2, mode, how):
         assert error is None and skipped == 0, (error, skipped)
         assert same in (True, None)  # bitwise the run that never saw the batch
+
+
+def test_weights_read_after_an_evaluation_or_a_load_are_the_current_ones(tmp_path):
+    """A checkpointed layer's weight read after a no-grad forward showed another layer's values (the
+    slot's next owner), and a norm weight read after load_checkpoint the values before the load."""
+    for wrong in run_distributed(reads_after_eval_and_load, 2, str(tmp_path / "ckpt")):
+        assert wrong == [], wrong
 
 
 def test_collective_order_guard():
@@ -260,8 +267,9 @@ def test_torch_clip_grad_norm_on_a_sharded_model_clips_by_the_global_norm():
         assert msg.startswith("the total norm of order 2.0 of the gradients is non-finite") and untouched, out
 
 
-def test_generate_with_sequences_ending_at_different_steps():
-    outs = run_distributed(generate_uneven_lengths, 2)
+@pytest.mark.parametrize("world,subgroup", [(2, False), (3, True)])
+def test_generate_with_sequences_ending_at_different_steps(world, subgroup):
+    outs = run_distributed(generate_uneven_lengths, world, subgroup)[:2]
     for got, want in outs:
         assert got == want
     assert len(outs[0][0][0]) == 5 and len(outs[1][0][0]) > 5, outs  # rank 0 stopped at EOS, rank 1 went on

@@ -168,13 +168,24 @@ def _answer_device_and_dtype(module: nn.Module, runtime: Runtime) -> None:
 
     def generate(self, *args, **kwargs):
         # every forward gathers over the shard group: a rank that finished early must keep stepping
-        # (HF turns synced_gpus on by itself for FSDP and ZeRO-3 models, not for this one). HF agrees
-        # on "all finished" over the whole world, so only where the shard group is the whole world:
-        # under hybrid sharding every rank might not generate (pass synced_gpus=True if all do)
+        # (HF turns synced_gpus on by itself for FSDP and ZeRO-3 models, not for this one) until
+        # every rank of its shard group has finished (agreed over that group, not HF's whole world:
+        # _has_unfinished_sequences), so it works under hybrid sharding and over a subgroup
         if kwargs.get("synced_gpus") is None:
             rt = self.__dict__["_yashard_runtime"]()
-            kwargs["synced_gpus"] = rt is not None and 1 < rt.comm.shard_world == torch.distributed.get_world_size()
+            kwargs["synced_gpus"] = rt is not None and rt.comm.shard_world > 1
         return cls.generate(self, *args, **kwargs)
+
+    def _has_unfinished_sequences(self, this_peer_finished: bool, synced_gpus: bool, device, *args, **kwargs):
+        # synced_gpus: the ranks that must step together are those the forwards gather over, the
+        # shard group (HF all-reduces over the default group: a rank outside it that does not
+        # generate, a subgroup's or another replica's, left this one waiting until the timeout)
+        rt = self.__dict__["_yashard_runtime"]()
+        if not synced_gpus or rt is None:
+            return cls._has_unfinished_sequences(self, this_peer_finished, synced_gpus, device, *args, **kwargs)
+        unfinished = torch.tensor(0.0 if this_peer_finished else 1.0, device=device)
+        rt.comm.all_reduce(unfinished, "generate (unfinished sequences)")
+        return unfinished.item() != 0.0
 
     def requires_grad_(self, requires_grad: bool = True):
         # the whole model's parameters are the master shards: turn them all off, or back on (the
@@ -194,6 +205,8 @@ def _answer_device_and_dtype(module: nn.Module, runtime: Runtime) -> None:
         "device": property(lambda self: self.__dict__["_yashard_device"], doc="The sharded model's device."),
         "dtype": property(lambda self: self.__dict__["_yashard_dtype"], doc="The compute dtype (param_dtype)."),
     }
+    if hasattr(cls, "_has_unfinished_sequences"):
+        members["_has_unfinished_sequences"] = _has_unfinished_sequences
     if hasattr(cls, "num_parameters"):
         members["num_parameters"] = num_parameters
     if hasattr(cls, "get_memory_footprint"):
@@ -299,7 +312,12 @@ class ShardedModel(nn.Module):
         self.shards = nn.ParameterDict({name.removeprefix("shards."): master for name, master in _shard_names(runtime.units)})
         object.__setattr__(self, "_runtime", runtime)
         _answer_device_and_dtype(module, runtime)
-        for m in (self, module):  # module too: HF's save_pretrained reads its state_dict
+        # module too (HF's save_pretrained reads its state_dict), and every submodule that lost a
+        # parameter to a shard or holds one that did (model.model, a layer, lm_head): theirs would
+        # silently leave those parameters out
+        marked = [name for name, m in module.named_modules() if "_yashard_sharded" in m.__dict__]
+        holders = {".".join(name.split(".")[:i]) for name in marked for i in range(1, name.count(".") + 2)}
+        for m in (self, module, *(m for name, m in module.named_modules() if name in holders)):
             m.register_state_dict_pre_hook(_refuse_state_dict)
             m.register_load_state_dict_pre_hook(_refuse_load_state_dict)
 

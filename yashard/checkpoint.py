@@ -991,6 +991,7 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer: torch.optim.Optim
         except Exception as e:  # noqa: BLE001
             err = e
         _agree(comm, "load_checkpoint", err)
+        rt.masters_changed()  # (every rank: it gathers; the norm weights read now are the loaded ones)
     return index["extra"]
 
 

@@ -663,6 +663,12 @@ class Runtime:
             if u.grad_storage is not None:  # (a shard of frozen parameters never has a gradient to step)
                 torch.autograd.graph.increment_version(u.master)
         self.stepped_since_backward = True  # (the next backward starts the gradient flags afresh)
+        self.masters_changed()
+
+    def masters_changed(self) -> None:
+        """The masters were written (:meth:`after_optimizer_step`, ``yashard.load_checkpoint``):
+        gather what the next forward needs first, as described there, and wait for the norm group,
+        whose weights stay readable between forwards; take off the views that would be stale."""
         if self.in_backward or not self.forward_order:
             return
         self._drain()
@@ -818,9 +824,13 @@ class Runtime:
 
     def _post_forward(self, unit: Unit, module, args, output):
         self._release(unit.slot)  # R1 for the next owner
-        if unit.views_until == "forward":
+        grad = torch.is_grad_enabled()
+        # views on a slot other units reuse come off once nothing reads them: after the forward, or,
+        # for a checkpointed layer, after its backward; a no-grad forward has no backward to wait for
+        # (the plain views it installed would show the next owner's weights under this unit's names)
+        if unit.views_until == "forward" or (unit.views_until == "backward" and not grad):
             unit.remove_views()
-        if not torch.is_grad_enabled():
+        if not grad:
             return None
         # a checkpointed layer's views of this forward: kept by its BackwardEntry node, so by the
         # forward's graph and no longer, and put back when its backward starts; the modules hold

@@ -57,3 +57,16 @@ class ShardedStub(torch.Tensor):
     # Reads that do not go through __torch_dispatch__ (a wrapper tensor would answer them with a
     # null pointer, an empty storage, or torch's own error).
     data_ptr = untyped_storage = storage = tolist = numpy = item = __array__ = __reduce_ex__ = _refuse
+
+    def _refuse_freeze(self, *args, **kwargs):
+        """Setting ``requires_grad`` on a stub: a new stub is made at each read, so the flag was
+        lost and nothing froze. Which parameters train is fixed at ``shard()``."""
+        raise RuntimeError(
+            f"setting requires_grad of {self._fqn} after yashard.shard: which parameters train is fixed when "
+            "yashard.shard runs (their values live in flat master shards shared with other parameters), so this "
+            "would freeze nothing. Freeze them before yashard.shard (p.requires_grad_(False) on the unsharded "
+            "model), or turn a whole master shard off (a tensor of model.parameters(): shards.layer_<i>, ...)")
+
+    requires_grad_ = _refuse_freeze
+    requires_grad = property(torch._C.TensorBase.requires_grad.__get__, _refuse_freeze,
+                             doc="Whether the parameter trains (read only: fixed at shard())")

@@ -329,6 +329,8 @@ def parse_config(cls: type, argv: list[str] | None = None, description: str | No
     try:
         cfg.validate()
     except ValueError as e:
+        if os.environ.get("RANK", "0") != "0":  # (under torchrun: one copy of the usage error, rank 0's)
+            sys.exit(2)
         parser.error(str(e))
     return cfg
 
@@ -966,18 +968,19 @@ def write_outputs(s: Session, history: list[dict], *, save_final: bool = True, p
     """
     if save_final:
         yashard.export_hf(s.model, s.out_dir / "final")
+        if s.is_main:
+            write_tokenizer(s.tok, s.out_dir / "final")
     if not s.is_main or not history:
         return {}
-    written = [s.out_dir / "log.jsonl"]
-    if save_final:
-        write_tokenizer(s.tok, s.out_dir / "final")
-        written.append(s.out_dir / "final")
+    written = [s.out_dir / "log.jsonl"] + ([s.out_dir / "final"] if save_final else [])
     if s.cfg.save_every > 0 or s.cfg.stop_at is not None:
         written.append(s.out_dir / "checkpoint")
-    if plot and save_plot(read_log(s.out_dir / "log.jsonl"), s.out_dir / "loss.png"):
+    logged = read_log(s.out_dir / "log.jsonl")  # (the whole run's, resumed segments included)
+    if plot and save_plot(logged, s.out_dir / "loss.png"):
         written.append(s.out_dir / "loss.png")
+    first = logged[0]["loss"] if logged and logged[0]["loss"] is not None else history[0]["loss"]
     summary = {
-        "first_loss": history[0]["loss"], "last_loss": history[-1]["loss"],
+        "first_loss": first, "last_loss": history[-1]["loss"],
         "eval_loss": history[-1].get("eval_loss"),
         "tokens_per_s": throughput(history),
         "memory_mb": memory_mb(s.device), "train_seconds": history[-1]["elapsed"],

@@ -184,6 +184,7 @@ def test_stop_and_resume_reproduce_the_uninterrupted_run_bitwise(pretrain_run, t
     assert resumed == uninterrupted
     elapsed = [r["elapsed"] for r in read_log(out / "log.jsonl")]
     assert elapsed == sorted(elapsed) and elapsed[10] > elapsed[9]  # training seconds count on over the resume
+    assert f"loss {resumed[0]['loss']:.4f} -> {resumed[-1]['loss']:.4f}," in stdout, stdout  # the whole run's
     _check_png(out / "loss.png")
     from safetensors.torch import load_file
 

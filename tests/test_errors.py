@@ -1269,3 +1269,15 @@ def test_step_check_flags_pack_into_words_and_back():
         words = torch.stack([_pack_bits(r.tolist()) for r in rows])
         assert words.shape == (3, -(-count // 62)) and (words >= 0).all()
         assert torch.equal(_unpack_bits(words, count), torch.stack(rows))
+
+
+def test_distributed_data_parallel_around_a_sharded_model_is_refused(pg):
+    """DDP broadcasts rank 0's parameters (here its shards) over every rank's when it is built:
+    at world 2 that changed the model by 0.13 without a word (what Accelerate's and HF Trainer's
+    DDP wrapping would do). Refused, on the ShardedModel and on its HF module."""
+    sm = yashard.shard(build())
+    for module in (sm, sm.module):
+        with pytest.raises(RuntimeError, match=r"^DistributedDataParallel around a yashard-sharded model: .* would "
+                                               r"overwrite every rank's shards with rank 0's .* Train the sharded "
+                                               r"model without DDP"):
+            torch.nn.parallel.DistributedDataParallel(module)

@@ -111,6 +111,20 @@ def _refuse_dsd(self):
     )
 
 
+def _refuse_ddp(self):
+    """``_ddp_params_and_buffers_to_ignore`` is what ``DistributedDataParallel`` asks the module it
+    wraps for first; on a sharded model it raises. (DDP would broadcast rank 0's parameters, here
+    its own shards, over every rank's, and average gradients of different shards.)"""
+    raise RuntimeError(
+        "DistributedDataParallel around a yashard-sharded model: its parameters are flat shards, different on "
+        "every rank, so DDP would overwrite every rank's shards with rank 0's when it is built and average "
+        "gradients of different shards. yashard already reduces the gradients over the data-parallel group "
+        "(across nodes too: hybrid sharding, ShardConfig(shard_group_size=...)). Train the sharded model without "
+        "DDP, in a loop of your own (frameworks that wrap the model in DDP themselves, Accelerate and HF Trainer, "
+        "are not supported)"
+    )
+
+
 def _shard_names(units) -> list[tuple[str, nn.Parameter]]:
     """``("shards.<unit>", master)`` per unit; the norm group (every 1-D parameter) is
     ``shards.norms_and_biases``, so name-based no-decay rules (HF Trainer's "bias" / "norm"
@@ -199,6 +213,7 @@ def _answer_device_and_dtype(module: nn.Module, runtime: Runtime) -> None:
         "_apply": _apply,
         "named_parameters": named_parameters,
         "_fqn_modifiers": _refuse_dsd,
+        "_ddp_params_and_buffers_to_ignore": property(_refuse_ddp),
         "requires_grad_": requires_grad_,
         "__reduce_ex__": _refuse_copy,
         "__deepcopy__": lambda self, memo: _refuse_copy(self),
@@ -299,6 +314,7 @@ class ShardedModel(nn.Module):
 
     __reduce_ex__ = _refuse_copy
     _fqn_modifiers = _refuse_dsd
+    _ddp_params_and_buffers_to_ignore = property(_refuse_ddp)
 
     def __deepcopy__(self, memo):
         _refuse_copy(self)

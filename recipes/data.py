@@ -13,6 +13,7 @@ seq_len tokens therefore gives seq_len - 1 next-token predictions.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sysconfig
 from pathlib import Path
@@ -38,6 +39,10 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
+    def encode_pair(self, prompt: str, response: str) -> tuple[list[int], list[int]]:
+        """(prompt ids, response ids): bytes split where the text splits."""
+        return self.encode(prompt), self.encode(response)
+
     def decode(self, ids) -> str:
         """Bytes back to text; special ids are dropped and invalid UTF-8 is replaced."""
         ids = ids.tolist() if isinstance(ids, torch.Tensor) else ids
@@ -60,6 +65,18 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         # verbose=False: don't warn when a whole document is longer than model_max_length.
         return self.tok(text, add_special_tokens=False, verbose=False)["input_ids"]
+
+    def encode_pair(self, prompt: str, response: str) -> tuple[list[int], list[int]]:
+        """(prompt ids, response ids) as the tokenizer splits ``prompt + response``, the text the
+        model reads at inference: tokenized apart, the response would start a word of its own
+        (SentencePiece's leading "▁": an extra space the data does not have). A token across the
+        boundary counts as response. Tokenizers without offsets (slow ones) encode them apart."""
+        if not prompt or not getattr(self.tok, "is_fast", False):
+            return self.encode(prompt), self.encode(response)
+        enc = self.tok(prompt + response, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+        ids, offsets = enc["input_ids"], enc["offset_mapping"]
+        cut = next((i for i, (_, end) in enumerate(offsets) if end > len(prompt)), len(ids))
+        return ids[:cut], ids[cut:]
 
     def decode(self, ids) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
@@ -85,24 +102,35 @@ def _with_specials(tok, ids: list[int]) -> list[int]:
 # Text sources
 # --------------------------------------------------------------------------------------------
 
-_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+# Left out of the default text: test suites and installed packages; "encodings" (about a hundred
+# generated, nearly identical codec tables: split between training and held-out text, the held-out
+# loss measured recall of the training copies); and files an installation writes for itself
+# (_sysconfigdata* with its install paths, config-3.x-*/, Debian's _distutils_system_mod.py)
+_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "encodings"}
+_SKIP_FILES = ("_sysconfigdata", "_distutils_system_mod")
+
+
+def _stdlib_file_ok(rel: Path) -> bool:
+    dirs = rel.parts[:-1]
+    return not (_SKIP_DIRS.intersection(dirs) or any(d.startswith("config-") for d in dirs)
+                or rel.name.startswith(_SKIP_FILES))
 
 
 def stdlib_documents(max_bytes: int = 4_000_000) -> list[str]:
     """Source files of the Python standard library: real text found on any machine.
 
-    Takes the .py files in sorted path order (test suites and site-packages excluded) until
-    ``max_bytes`` of source is collected; the same files in the same order on every rank.
+    Takes the .py files in sorted path order (what ``_stdlib_file_ok`` leaves out aside) until
+    ``max_bytes`` of source is collected; the same files in the same order on every rank of one
+    installation. Another Python release or build has other files (recipes/train.py checks that
+    every rank, and a resumed run, reads the same text).
     """
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(
-        p for p in root.rglob("*.py") if not _SKIP_DIRS.intersection(p.relative_to(root).parts[:-1])
-    )
+    files = sorted(p for p in root.rglob("*.py") if _stdlib_file_ok(p.relative_to(root)))
     docs, total = [], 0
     for path in files:
         if total >= max_bytes:
             break
-        raw = path.read_bytes()[: max_bytes - total]
+        raw = _whole_characters(path.read_bytes()[: max_bytes - total])
         docs.append(raw.decode("utf-8", errors="replace"))
         total += len(raw)
     if not docs:
@@ -114,8 +142,19 @@ def text_file_documents(path: str | Path, max_bytes: int | None = None) -> list[
     """A plain .txt file as one document (first ``max_bytes`` bytes when given)."""
     raw = Path(path).read_bytes()
     if max_bytes is not None:
-        raw = raw[:max_bytes]
+        raw = _whole_characters(raw[:max_bytes])
     return [raw.decode("utf-8", errors="replace")]
+
+
+def _whole_characters(raw: bytes) -> bytes:
+    """``raw`` less a UTF-8 character that a byte cap cut in two at its end (decoded, its first bytes
+    became a U+FFFD, text that is not in the file)."""
+    for back in range(1, min(4, len(raw)) + 1):
+        byte = raw[-back]
+        if byte & 0xC0 != 0x80:  # the last character's first byte: its length from the lead bits
+            length = 1 if byte < 0x80 else 2 if byte >> 5 == 0b110 else 3 if byte >> 4 == 0b1110 else 4
+            return raw[:-back] if byte >= 0xC0 and length > back else raw
+    return raw
 
 
 def read_jsonl_pairs(path: str | Path) -> list[tuple[str, str]]:
@@ -151,6 +190,26 @@ def tokenize_documents(docs: list[str], tok) -> torch.Tensor:
     for doc in docs:
         ids.extend(_with_specials(tok, tok.encode(doc)))
     return torch.tensor(ids, dtype=torch.long)
+
+
+def split_documents(docs: list[str], tok, eval_fraction: float, source: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(training stream, held-out stream) of several documents: whole documents are held out,
+    spread through the list (each one that keeps the held-out share of the tokens so far nearest
+    ``eval_fraction``), so the held-out text is neither a piece of a training document nor one
+    corner of the collection (the stdlib's sorted tail was one package). One document: its last
+    ``eval_fraction`` of tokens (:func:`split_train_eval`)."""
+    if len(docs) < 2:
+        return split_train_eval(tokenize_documents(docs, tok), eval_fraction, "tokens", source)
+    train: list[int] = []
+    held: list[int] = []
+    total = 0
+    for doc in docs:
+        ids = _with_specials(tok, tok.encode(doc))
+        total += len(ids)
+        (held if len(held) + len(ids) / 2 < eval_fraction * total else train).extend(ids)
+    if not held or not train:  # (one document holds nearly all the text)
+        return split_train_eval(torch.tensor(train + held, dtype=torch.long), eval_fraction, "tokens", source)
+    return torch.tensor(train, dtype=torch.long), torch.tensor(held, dtype=torch.long)
 
 
 # --------------------------------------------------------------------------------------------
@@ -190,19 +249,33 @@ class TokenStream:
         return {"input_ids": windows, "labels": windows.clone()}
 
 
-def encode_sft_example(tok, prompt: str, response: str, seq_len: int) -> tuple[list[int], list[int], list[int]]:
-    """(input_ids, labels, attention_mask) for one prompt/response pair, padded to seq_len.
+def encode_sft_example(tok, prompt: str, response: str, seq_len: int) -> tuple[list[int], list[int], list[int], str | None]:
+    """(input_ids, labels, attention_mask, cut) for one prompt/response pair, padded to seq_len.
 
     Layout: BOS prompt response EOS PAD...; labels are -100 on BOS, the prompt and the padding, so
-    only the response (and its EOS) is learned. Too-long examples are cut at seq_len.
+    only the response (and its EOS) is learned. The model learns a token from the one before it,
+    so something always precedes the response: BOS, else the prompt, else (no BOS, empty prompt)
+    EOS as the separator it is between documents. Too long for seq_len, the prompt is cut from the
+    left first, down to one token (``cut`` = "prompt"), then the response from the right, its EOS
+    first (``cut`` = "response").
     """
-    prompt_ids = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(prompt)
-    response_ids = tok.encode(response) + ([tok.eos_id] if tok.eos_id is not None else [])
-    ids = (prompt_ids + response_ids)[:seq_len]
-    labels = ([IGNORE_INDEX] * len(prompt_ids) + response_ids)[:seq_len]
+    head = [tok.bos_id] if tok.bos_id is not None else []
+    prompt_ids, response_ids = tok.encode_pair(prompt, response)
+    if not head and not prompt_ids and tok.eos_id is not None:
+        head = [tok.eos_id]
+    response_ids = response_ids + ([tok.eos_id] if tok.eos_id is not None else [])
+    room, cut = seq_len - len(head), None
+    if len(prompt_ids) + len(response_ids) > room:
+        keep = max(min(1, len(prompt_ids)), room - len(response_ids))
+        cut = "prompt" if keep < len(prompt_ids) else None
+        prompt_ids = prompt_ids[len(prompt_ids) - keep:]
+        if len(prompt_ids) + len(response_ids) > room:
+            response_ids, cut = response_ids[: max(0, room - len(prompt_ids))], "response"
+    ids = (head + prompt_ids + response_ids)[:seq_len]
+    labels = ([IGNORE_INDEX] * (len(head) + len(prompt_ids)) + response_ids)[:seq_len]
     n_pad = seq_len - len(ids)
     mask = [1] * len(ids) + [0] * n_pad
-    return ids + [tok.pad_id] * n_pad, labels + [IGNORE_INDEX] * n_pad, mask
+    return ids + [tok.pad_id] * n_pad, labels + [IGNORE_INDEX] * n_pad, mask, cut
 
 
 class SFTExamples:
@@ -210,15 +283,18 @@ class SFTExamples:
 
     def __init__(self, pairs: list[tuple[str, str]], tok, seq_len: int, what: str = "examples"):
         rows = [encode_sft_example(tok, p, r, seq_len) for p, r in pairs]
-        # An example whose prompt fills seq_len has no token to learn: a micro-batch of only such
-        # examples would average the loss over zero tokens (NaN). They are left out.
-        kept = [r for r in rows if any(label != IGNORE_INDEX for label in r[1])]
+        self.cut_prompts = sum(r[3] == "prompt" for r in rows)
+        self.cut_responses = sum(r[3] == "response" for r in rows)
+        # An example with no token to learn (an empty response and no EOS, or --seq-len 2 and a
+        # BOS): a micro-batch of only such examples would average the loss over zero tokens (NaN).
+        # They are left out. (Position 0 is never scored: HF shifts the labels by one.)
+        kept = [r for r in rows if any(label != IGNORE_INDEX for label in r[1][1:])]
         self.dropped = len(rows) - len(kept)
         if not kept:
-            longest = max(len(tok.encode(p)) for p, _ in pairs)
             raise ValueError(
-                f"every one of the {len(rows)} {what} has a prompt that fills --seq-len {seq_len} (the longest prompt "
-                f"is {longest} tokens), so no response token is left to learn: raise --seq-len or shorten the prompts"
+                f"none of the {len(rows)} {what} has a response token to learn at --seq-len {seq_len} (each needs a "
+                "non-empty response, or an EOS token the tokenizer has, after at least one token of context): "
+                "check the responses, or raise --seq-len"
             )
         rows = kept
         self.input_ids = torch.tensor([r[0] for r in rows], dtype=torch.long)
@@ -261,14 +337,17 @@ def build_datasets(data: str | None, tok, seq_len: int, eval_fraction: float = 0
     if data is not None and data.endswith(".jsonl"):
         train, held = split_train_eval(read_jsonl_pairs(data), eval_fraction, "examples", data)
         train, held = SFTExamples(train, tok, seq_len, "training examples"), SFTExamples(held, tok, seq_len, "held-out examples")
-        dropped = train.dropped + held.dropped
-        note = f" ({dropped} left out: their prompt fills --seq-len {seq_len})" if dropped else ""
+        notes = [f"{n} {what}" for n, what in (
+            (train.cut_prompts + held.cut_prompts, f"with the prompt cut from the left to fit --seq-len {seq_len}"),
+            (train.cut_responses + held.cut_responses, "with the response cut too (its end and EOS not learned)"),
+            (train.dropped + held.dropped, "left out: no response token to learn")) if n]
+        note = f" ({'; '.join(notes)})" if notes else ""
         return train, held, f"SFT {data}: {len(train)} train / {len(held)} held-out examples{note}"
     if data is None:
         docs, name = stdlib_documents(max_bytes), "Python stdlib sources"
     else:
         docs, name = text_file_documents(data, max_bytes), data
-    train, held = split_train_eval(tokenize_documents(docs, tok), eval_fraction, "tokens", name)
+    train, held = split_documents(docs, tok, eval_fraction, name)
     for part, n in (("training", train.numel()), ("held-out", held.numel())):
         if n < seq_len:
             raise ValueError(
@@ -278,6 +357,16 @@ def build_datasets(data: str | None, tok, seq_len: int, eval_fraction: float = 0
             )
     return (TokenStream(train, seq_len), TokenStream(held, seq_len),
             f"LM {name}: {train.numel():,} train / {held.numel():,} held-out tokens")
+
+
+def data_digest(*datasets) -> str:
+    """A short hash of the token ids (and labels) of ``datasets``: equal on ranks, and across runs,
+    that read the same text the same way."""
+    h = hashlib.sha256()
+    for d in datasets:
+        for t in ((d.tokens,) if isinstance(d, TokenStream) else (d.input_ids, d.labels, d.attention_mask)):
+            h.update(t.numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 # --------------------------------------------------------------------------------------------

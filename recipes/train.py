@@ -36,7 +36,7 @@ from torch.profiler import record_function
 from tqdm import tqdm
 
 import yashard
-from data import EVAL_STREAM, IGNORE_INDEX, build_datasets, load_tokenizer, micro_batches, rank_slice
+from data import EVAL_STREAM, IGNORE_INDEX, build_datasets, data_digest, load_tokenizer, micro_batches, rank_slice
 from schedule import lr_at
 
 BYTE_LEVEL = "byte-level"  # --tokenizer byte-level: recipes/data.py's ByteTokenizer
@@ -606,6 +606,7 @@ class Session:
     start_step: int = 0
     frozen: list[str] = field(default_factory=list)  # names of the parameters --freeze froze (saved with checkpoints)
     run_id: str | None = None  # this run's id (config.json, checkpoints): see setup
+    data_digest: str | None = None  # of the training and held-out data (checkpoints: a resume compares it)
 
     @property
     def is_main(self) -> bool:
@@ -639,6 +640,17 @@ def _setup(cfg: TrainConfig) -> Session:
     tok_path = tokenizer_path(cfg.tokenizer, model_path)
     tok = load_tokenizer(tok_path)
     train_data, held_out, data_desc = build_datasets(cfg.data, tok, cfg.seq_len, cfg.eval_fraction, cfg.max_bytes)
+    # every rank must draw its rows from the same text (the default one is the interpreter's own
+    # standard library, which differs between Python releases and builds, i.e. between machines)
+    digest = data_digest(train_data, held_out)
+    digests = [None] * world_size
+    dist.all_gather_object(digests, digest)
+    if any(d != digests[0] for d in digests):
+        other = next(r for r, d in enumerate(digests) if d != digests[0])
+        raise ValueError(f"rank {other} read other training data than rank 0 (data digest {digests[other]} against "
+                         f"{digests[0]}; {data_desc} on rank {rank}): every rank takes its rows of one global batch, so "
+                         "they must read the same text. Give every machine the same --data file (the default text, "
+                         "the Python standard library, differs between Python releases and builds)")
 
     hf_model = build_model(cfg, tok, note=print if is_main else None)
     n_params = sum(p.numel() for p in hf_model.parameters())
@@ -693,6 +705,11 @@ def _setup(cfg: TrainConfig) -> Session:
         extra = yashard.load_checkpoint(ckpt, model, opt)  # also restores the saved param-group hyperparameters
         start_step = extra["step"]
         run_id = extra.get("run") or run_id
+        if is_main and extra.get("data") not in (None, digest):
+            print(f"WARNING: the checkpoint's run trained on other data (digest {extra['data']}; this run's "
+                  f"{digest}: {data_desc}): the resumed run's batches are not the ones the uninterrupted run "
+                  "would have drawn (the default text, the Python standard library, differs between Python "
+                  "releases and builds)")
         problem = resume_problem(cfg, extra, ckpt)  # (validate checked the index already)
         if problem:
             raise ValueError(problem)
@@ -739,7 +756,7 @@ def _setup(cfg: TrainConfig) -> Session:
               f"{global_batch} x {cfg.seq_len} = {tokens_per_step:,} tokens/step")
         print(model.memory_plan())
     return Session(cfg, rank, world_size, device, tok, train_data, held_out, hf_model, model, opt, scaler,
-                   out_dir, global_batch, tokens_per_step, start_step, frozen_params, run_id)
+                   out_dir, global_batch, tokens_per_step, start_step, frozen_params, run_id, digest)
 
 
 # --------------------------------------------------------------------------------------------
@@ -887,7 +904,7 @@ def train_loop(s: Session, profiler=None) -> list[dict]:
         if (stop and cfg.stop_at is not None) or (cfg.save_every > 0 and ((step + 1) % cfg.save_every == 0 or stop)):
             with record_function("yashard::save_checkpoint"):
                 extra = {"step": step + 1, "global_batch": s.global_batch, "freeze": s.cfg.freeze,
-                         "frozen": s.frozen, "run": s.run_id}
+                         "frozen": s.frozen, "run": s.run_id, "data": s.data_digest}
                 if s.scaler.is_enabled():
                     extra["grad_scaler"] = s.scaler.state_dict()
                 yashard.save_checkpoint(s.out_dir / "checkpoint", s.model, s.opt, extra=extra)

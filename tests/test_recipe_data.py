@@ -98,17 +98,55 @@ def test_micro_batches_split_in_order():
 
 def test_sft_label_masking_and_padding():
     tok = data.ByteTokenizer()
-    ids, labels, mask = data.encode_sft_example(tok, "Q:", "ok", seq_len=10)
-    assert ids == [tok.bos_id, ord("Q"), ord(":"), ord("o"), ord("k"), tok.eos_id] + [tok.pad_id] * 4
+    ids, labels, mask, cut = data.encode_sft_example(tok, "Q:", "ok", seq_len=10)
+    assert cut is None and ids == [tok.bos_id, ord("Q"), ord(":"), ord("o"), ord("k"), tok.eos_id] + [tok.pad_id] * 4
     assert labels == [-100, -100, -100, ord("o"), ord("k"), tok.eos_id] + [-100] * 4
     assert mask == [1] * 6 + [0] * 4
 
 
-def test_sft_truncation():
+def test_sft_truncation_keeps_the_response():
+    """Too long for seq_len, the prompt is cut from the left (down to one token of context), then
+    the response from the right (it was cut from the right first: the response and its EOS went)."""
     tok = data.ByteTokenizer()
-    ids, labels, mask = data.encode_sft_example(tok, "prompt", "a long response", seq_len=9)
-    assert len(ids) == len(labels) == len(mask) == 9 and all(mask)
-    assert labels[:7] == [-100] * 7 and labels[7:] == [ord("a"), ord(" ")]
+    ids, labels, mask, cut = data.encode_sft_example(tok, "a long prompt", "ok", seq_len=9)
+    assert cut == "prompt" and ids == [tok.bos_id, *b"rompt", *b"ok", tok.eos_id] and all(mask)
+    assert labels == [-100] * 6 + [*b"ok", tok.eos_id]
+    ids, labels, mask, cut = data.encode_sft_example(tok, "prompt", "a long response", seq_len=9)
+    assert cut == "response" and len(ids) == len(labels) == len(mask) == 9 and all(mask)
+    assert ids[:2] == [tok.bos_id, ord("t")] and labels == [-100, -100, *b"a long "]
+
+
+class _NoBosTokenizer(data.ByteTokenizer):
+    bos_id = None
+
+
+def test_sft_without_bos_and_without_prompt_still_scores_the_first_response_token():
+    """Position 0 is never scored (the labels are shifted): with no BOS and an empty prompt the
+    first response token sat there and was never learned; EOS now stands before it."""
+    tok = _NoBosTokenizer()
+    ids, labels, _, _ = data.encode_sft_example(tok, "", "hi", seq_len=6)
+    assert ids[:4] == [tok.eos_id, *b"hi", tok.eos_id] and labels[:4] == [-100, *b"hi", tok.eos_id]
+
+
+def test_sft_prompt_and_response_are_split_where_the_joint_text_splits(tmp_path):
+    """A SentencePiece-style tokenizer (Metaspace) encoding the response on its own starts it with a
+    word boundary ("▁4") that the text "Q: 2+2=4" does not have: the model learned an extra space."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    t = Tokenizer(models.BPE(unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    t.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="first")
+    t.train_from_iterator(["Q: 2+2=4", "Answer:4", "the answer is 4", "hello world"] * 10,
+                          trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<s>", "</s>"]))
+    PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<s>", eos_token="</s>", unk_token="<unk>").save_pretrained(tmp_path)
+    tok = data.load_tokenizer(str(tmp_path))
+    ids, labels, mask, _ = data.encode_sft_example(tok, "Q: 2+2=", "4", seq_len=16)
+    text = [i for i, m in zip(ids, mask) if m][1:-1]  # (less BOS and EOS)
+    assert text == tok.encode("Q: 2+2=4")  # what the model reads at inference
+    # the tokens that end in the response are learned (one across the boundary too), the prompt's not
+    pieces = tok.tok.convert_ids_to_tokens([i for i in labels if i != -100])
+    assert pieces[-1] == "</s>" and pieces[-2].endswith("4") and "\u2581Q:" not in pieces, pieces
 
 
 def test_build_datasets_from_files(tmp_path):
@@ -147,15 +185,17 @@ def test_sequences_longer_than_the_text_are_refused_naming_the_fixes(tmp_path):
 def test_sft_examples_without_a_response_token_are_left_out_or_refused(tmp_path):
     tok = data.ByteTokenizer()
     jsonl = tmp_path / "sft.jsonl"
-    rows = [{"prompt": "p" * (30 if i % 2 else 3), "response": "ok"} for i in range(20)]
+    rows = [{"prompt": "p" * (30 if i % 2 else 3), "response": "ok" * (10 if i % 4 == 1 else 1)} for i in range(20)]
     jsonl.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     train, held, desc = data.build_datasets(str(jsonl), tok, seq_len=16, eval_fraction=0.1)
-    assert (len(train), len(held)) == (9, 1) and desc.endswith("(10 left out: their prompt fills --seq-len 16)")
-    assert all((train.labels[i] != -100).any() for i in range(len(train)))
-    jsonl.write_text("\n".join(json.dumps({"prompt": "p" * 40, "response": "ok"}) for _ in range(20)) + "\n")
-    with pytest.raises(ValueError, match=r"every one of the 18 training examples has a prompt that fills --seq-len 16 "
-                                         r"\(the longest prompt is 40 tokens\), so no response token is left to learn"):
-        data.build_datasets(str(jsonl), tok, seq_len=16, eval_fraction=0.1)
+    assert (len(train), len(held)) == (18, 2), desc
+    assert desc.endswith("(5 with the prompt cut from the left to fit --seq-len 16; 5 with the response cut too "
+                         "(its end and EOS not learned))"), desc
+    assert all((train.labels[i, 1:] != -100).any() for i in range(len(train)))
+    jsonl.write_text("\n".join(json.dumps({"prompt": "p" * 4, "response": ""}) for _ in range(20)) + "\n")
+    with pytest.raises(ValueError, match=r"none of the 18 training examples has a response token to learn at --seq-len "
+                                         r"16 \(each needs a non-empty response, or an EOS token the tokenizer has"):
+        data.build_datasets(str(jsonl), _NoEosTokenizer(), seq_len=16, eval_fraction=0.1)
 
 
 def test_lr_schedule_shape():
@@ -213,3 +253,28 @@ def test_checkpoint_layers_beyond_the_model_are_refused_before_the_run(tmp_path,
         pretrain.parse_config(["--config", str(folder / "config.json"), "--checkpoint-layers", "3"])
     assert "has 2 decoder layers" in capsys.readouterr().err
     assert finetune.parse_config(["--model", str(folder), "--checkpoint-layers", "2"]).checkpoint_layers == 2
+
+
+class _NoEosTokenizer(data.ByteTokenizer):
+    eos_id = None
+
+
+def test_the_default_held_out_text_is_whole_documents_spread_through_the_library():
+    """The held-out text was the sorted tail of the standard library, the codec tables
+    encodings/cp86x.py, 83% of whose 32-byte windows were in the training text (its other cp*.py)."""
+    docs = data.stdlib_documents(max_bytes=1_000_000)
+    tok = data.ByteTokenizer()
+    train, held = data.split_documents(docs, tok, 0.05, "stdlib")
+    assert 0.04 < held.numel() / (train.numel() + held.numel()) < 0.06
+    streams = [bytes(x for x in t.tolist() if x < 256) for t in (train, held)]
+    seen = {streams[0][i:i + 32] for i in range(len(streams[0]) - 32)}
+    windows = [streams[1][i:i + 32] for i in range(0, len(streams[1]) - 32, 97)]
+    assert sum(w in seen for w in windows) / len(windows) < 0.2
+    assert not any("_sysconfigdata" in d[:2000] and "BINDIR" in d for d in docs)  # (install paths)
+
+
+def test_a_byte_cap_never_cuts_a_character_in_two(tmp_path):
+    txt = tmp_path / "t.txt"
+    txt.write_text("a\u20ac", encoding="utf-8")  # 1 + 3 bytes
+    assert data.text_file_documents(txt, max_bytes=3) == ["a"]  # (was "a\ufffd", a character not in the file)
+    assert data.text_file_documents(txt, max_bytes=4) == ["a\u20ac"]

@@ -194,11 +194,19 @@ def saved_extra(ckpt: Path) -> dict | None:
     try:
         from yashard.checkpoint import read_index, resolve_checkpoint
 
-        extra = read_index(resolve_checkpoint(ckpt))["extra"]
+        save = resolve_checkpoint(ckpt)
+        index = read_index(save)
+        extra = index["extra"]
         int(extra["step"])
-        return extra
+        return {**extra, "run": checkpoint_run(extra, index.get("save") or save.name)}
     except Exception:  # noqa: BLE001 - checked again, with load_checkpoint's errors, when the run loads it
         return None
+
+
+def checkpoint_run(extra: dict, save_name: str) -> str:
+    """The id of the run that saved a checkpoint: its ``extra["run"]``, or for one saved before runs
+    had ids, one derived from its save's name (a resumed run keeps it, so its next resume matches)."""
+    return extra.get("run") or f"legacy-{save_name}"
 
 
 def resume_problem(cfg: TrainConfig, extra: dict | None, ckpt: Path) -> str | None:
@@ -208,8 +216,8 @@ def resume_problem(cfg: TrainConfig, extra: dict | None, ckpt: Path) -> str | No
     if extra is None:
         return None
     step = int(extra["step"])
-    logged = _saved_config(Path(cfg.out_dir)).get("run")
-    if extra.get("run") is not None and logged is not None and extra["run"] != logged:
+    logged = _saved_config(Path(cfg.out_dir)).get("run")  # (None: written before runs had ids)
+    if logged is not None and extra.get("run") != logged:
         return (f"the checkpoint in {ckpt} (step {step}) belongs to an earlier run than the log.jsonl and config.json "
                 f"in {cfg.out_dir}: a later run started over at step 0 there without --resume and saved no checkpoint, "
                 "so resuming would continue the earlier run's weights under the later run's log. Leave out --resume "
@@ -329,8 +337,6 @@ def parse_config(cls: type, argv: list[str] | None = None, description: str | No
     try:
         cfg.validate()
     except ValueError as e:
-        if os.environ.get("RANK", "0") != "0":  # (under torchrun: one copy of the usage error, rank 0's)
-            sys.exit(2)
         parser.error(str(e))
     return cfg
 
@@ -412,7 +418,7 @@ def _folder_problem(flag: str, path: str, what: str) -> str | None:
     if not p.is_dir():
         return f"{flag} {path} is a file: pass {expected}"
     if what == "tokenizer":
-        if _has_tokenizer_files(path):
+        if _has_tokenizer_files(path) or (p / BYTE_TOKENIZER_FILE).is_file():
             return None
         return (f"{flag} {path} holds no tokenizer (no tokenizer.json, tokenizer_config.json or tokenizer.model): "
                 f"pass {expected}, or leave {flag} out for the model folder's tokenizer or the byte-level default")
@@ -574,7 +580,7 @@ def tokenizer_path(tokenizer: str | None, model: str | None) -> str | None:
     else, without ``--model``, byte-level. A ``--model`` folder with neither is refused: its ids mean
     some tokenizer's tokens, and training it on bytes would be silently wrong."""
     if tokenizer is not None:
-        return None if tokenizer == BYTE_LEVEL else tokenizer
+        return None if tokenizer == BYTE_LEVEL or (Path(tokenizer) / BYTE_TOKENIZER_FILE).is_file() else tokenizer
     if model is None or (Path(model) / BYTE_TOKENIZER_FILE).is_file():
         return None
     if _has_tokenizer_files(model):
@@ -607,6 +613,8 @@ class Session:
     frozen: list[str] = field(default_factory=list)  # names of the parameters --freeze froze (saved with checkpoints)
     run_id: str | None = None  # this run's id (config.json, checkpoints): see setup
     data_digest: str | None = None  # of the training and held-out data (checkpoints: a resume compares it)
+    first_loss: float | None = None  # a resumed run's: its step-1 loss (for the summary), and
+    elapsed: float = 0.0             # the training seconds until its checkpoint (from the checkpoint)
 
     @property
     def is_main(self) -> bool:
@@ -694,6 +702,7 @@ def _setup(cfg: TrainConfig) -> Session:
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)  # every rank: profiling writes one trace per rank
     start_step = 0
+    first_loss, elapsed = None, 0.0  # (of a resumed run: what its checkpoint recorded)
     ckpt = out_dir / "checkpoint"
     # The run's id, in config.json and in every checkpoint it saves: a resume refuses a checkpoint
     # left by an earlier run in the same --out-dir (resume_problem). A resumed run keeps its id.
@@ -704,7 +713,8 @@ def _setup(cfg: TrainConfig) -> Session:
         wanted = [group["weight_decay"] for group in opt.param_groups]  # --weight-decay (no-decay group: 0)
         extra = yashard.load_checkpoint(ckpt, model, opt)  # also restores the saved param-group hyperparameters
         start_step = extra["step"]
-        run_id = extra.get("run") or run_id
+        run_id = saved_extra(ckpt)["run"]
+        first_loss, elapsed = extra.get("first_loss"), float(extra.get("elapsed", 0.0))
         if is_main and extra.get("data") not in (None, digest):
             print(f"WARNING: the checkpoint's run trained on other data (digest {extra['data']}; this run's "
                   f"{digest}: {data_desc}): the resumed run's batches are not the ones the uninterrupted run "
@@ -756,7 +766,8 @@ def _setup(cfg: TrainConfig) -> Session:
               f"{global_batch} x {cfg.seq_len} = {tokens_per_step:,} tokens/step")
         print(model.memory_plan())
     return Session(cfg, rank, world_size, device, tok, train_data, held_out, hf_model, model, opt, scaler,
-                   out_dir, global_batch, tokens_per_step, start_step, frozen_params, run_id, digest)
+                   out_dir, global_batch, tokens_per_step, start_step, frozen_params, run_id, digest, first_loss,
+                   elapsed)
 
 
 # --------------------------------------------------------------------------------------------
@@ -839,7 +850,7 @@ def train_loop(s: Session, profiler=None) -> list[dict]:
     s.model.train()
     bar = tqdm(initial=s.start_step, total=cfg.steps, disable=not s.is_main, dynamic_ncols=True, desc="train")
     # seconds spent in training steps (evaluation excluded), counted on from the log a resumed run continues
-    train_time = _logged_elapsed(s.out_dir / "log.jsonl", s.start_step) if s.start_step and s.is_main else 0.0
+    train_time = s.elapsed
     for step in range(s.start_step, cfg.steps):
         lr = lr_at(step, lr=cfg.lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps, min_lr_ratio=cfg.min_lr_ratio)
         for group in s.opt.param_groups:
@@ -903,8 +914,11 @@ def train_loop(s: Session, profiler=None) -> list[dict]:
         # --stop-at always saves (a stopped run is continued with --resume), even with --save-every 0.
         if (stop and cfg.stop_at is not None) or (cfg.save_every > 0 and ((step + 1) % cfg.save_every == 0 or stop)):
             with record_function("yashard::save_checkpoint"):
+                seconds = torch.tensor([train_time], dtype=torch.float64, device=device)
+                dist.broadcast(seconds, 0)  # (extra is stored once: every rank passes rank 0's clock)
                 extra = {"step": step + 1, "global_batch": s.global_batch, "freeze": s.cfg.freeze,
-                         "frozen": s.frozen, "run": s.run_id, "data": s.data_digest}
+                         "frozen": s.frozen, "run": s.run_id, "data": s.data_digest, "elapsed": seconds.item(),
+                         "first_loss": s.first_loss if s.first_loss is not None else history[0]["loss"]}
                 if s.scaler.is_enabled():
                     extra["grad_scaler"] = s.scaler.state_dict()
                 yashard.save_checkpoint(s.out_dir / "checkpoint", s.model, s.opt, extra=extra)
@@ -956,13 +970,6 @@ def save_plot(history: list[dict], path: Path) -> bool:
     return True
 
 
-def _logged_elapsed(path: Path, step: int) -> float:
-    """The training seconds of the last record the log has at or before ``step`` (0 if none)."""
-    if not path.exists():
-        return 0.0
-    return next((float(r.get("elapsed", 0.0)) for r in reversed(read_log(path)) if r["step"] <= step), 0.0)
-
-
 def _truncate_log(path: Path, step: int) -> None:
     """Drop log records after ``step`` (a run that died after its last checkpoint logged more)."""
     if path.exists():
@@ -992,10 +999,9 @@ def write_outputs(s: Session, history: list[dict], *, save_final: bool = True, p
     written = [s.out_dir / "log.jsonl"] + ([s.out_dir / "final"] if save_final else [])
     if s.cfg.save_every > 0 or s.cfg.stop_at is not None:
         written.append(s.out_dir / "checkpoint")
-    logged = read_log(s.out_dir / "log.jsonl")  # (the whole run's, resumed segments included)
-    if plot and save_plot(logged, s.out_dir / "loss.png"):
+    if plot and save_plot(read_log(s.out_dir / "log.jsonl"), s.out_dir / "loss.png"):
         written.append(s.out_dir / "loss.png")
-    first = logged[0]["loss"] if logged and logged[0]["loss"] is not None else history[0]["loss"]
+    first = s.first_loss if s.first_loss is not None else history[0]["loss"]  # (the whole run's)
     summary = {
         "first_loss": first, "last_loss": history[-1]["loss"],
         "eval_loss": history[-1].get("eval_loss"),
@@ -1060,14 +1066,16 @@ def run(cfg: TrainConfig) -> dict:
 def main_or_usage_error(main) -> None:
     """Run a recipe's ``main``; an error in what the run was given (a folder, a data file, a
     checkpoint to resume: ``ValueError``, ``FileNotFoundError``, ``yashard.CheckpointError``, raised
-    before training starts) ends the process with a usage error (its message on rank 0's stderr,
-    exit code 2) instead of a traceback from every rank. Then :func:`exit_now`."""
+    before training starts) ends the process with a usage error (its message on stderr, exit code
+    2) instead of a traceback. Every rank that fails prints it (others' prefixed "[rank N]"): a rank
+    that left it to rank 0 would exit first, and torchrun stops the others, rank 0 included, before
+    it printed. Then :func:`exit_now`."""
     try:
         main()
     except SETUP_ERRORS as e:
         if getattr(e, "before_training", False):
-            if not dist.is_initialized() or dist.get_rank() == 0:
-                print(f"{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            print(f"{f'[rank {rank}] ' if rank else ''}{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(2)

@@ -836,6 +836,8 @@ def test_a_sharded_weight_read_outside_its_unit_gives_what_the_unit_computes_in(
                                                r"yashard\.shard .*or turn a whole master shard off"):
             freeze()
     assert head.weight.requires_grad
+    head.weight.requires_grad = True  # (to what it is: nothing to do)
+    head.weight.requires_grad_()
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -1274,10 +1276,18 @@ def test_step_check_flags_pack_into_words_and_back():
 def test_distributed_data_parallel_around_a_sharded_model_is_refused(pg):
     """DDP broadcasts rank 0's parameters (here its shards) over every rank's when it is built:
     at world 2 that changed the model by 0.13 without a word (what Accelerate's and HF Trainer's
-    DDP wrapping would do). Refused, on the ShardedModel and on its HF module."""
+    DDP wrapping would do). Refused, around the ShardedModel, its HF module or a module holding it;
+    DDP of anything else is left alone."""
     sm = yashard.shard(build())
-    for module in (sm, sm.module):
-        with pytest.raises(RuntimeError, match=r"^DistributedDataParallel around a yashard-sharded model: .* would "
-                                               r"overwrite every rank's shards with rank 0's .* Train the sharded "
-                                               r"model without DDP"):
+
+    class ValueHead(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm, self.head = sm, nn.Linear(4, 1)
+
+    for module in (sm, sm.module, ValueHead()):
+        with pytest.raises(RuntimeError, match=r"^DistributedDataParallel around (ShardedModel|LlamaForCausalLM|"
+                                               r"ValueHead), which holds a yashard-sharded model: .* would overwrite "
+                                               r"every rank's shards with rank 0's .* Train the sharded model without DDP"):
             torch.nn.parallel.DistributedDataParallel(module)
+    torch.nn.parallel.DistributedDataParallel(nn.Linear(4, 4))

@@ -111,20 +111,6 @@ def _refuse_dsd(self):
     )
 
 
-def _refuse_ddp(self):
-    """``_ddp_params_and_buffers_to_ignore`` is what ``DistributedDataParallel`` asks the module it
-    wraps for first; on a sharded model it raises. (DDP would broadcast rank 0's parameters, here
-    its own shards, over every rank's, and average gradients of different shards.)"""
-    raise RuntimeError(
-        "DistributedDataParallel around a yashard-sharded model: its parameters are flat shards, different on "
-        "every rank, so DDP would overwrite every rank's shards with rank 0's when it is built and average "
-        "gradients of different shards. yashard already reduces the gradients over the data-parallel group "
-        "(across nodes too: hybrid sharding, ShardConfig(shard_group_size=...)). Train the sharded model without "
-        "DDP, in a loop of your own (frameworks that wrap the model in DDP themselves, Accelerate and HF Trainer, "
-        "are not supported)"
-    )
-
-
 def _shard_names(units) -> list[tuple[str, nn.Parameter]]:
     """``("shards.<unit>", master)`` per unit; the norm group (every 1-D parameter) is
     ``shards.norms_and_biases``, so name-based no-decay rules (HF Trainer's "bias" / "norm"
@@ -185,9 +171,17 @@ def _answer_device_and_dtype(module: nn.Module, runtime: Runtime) -> None:
         # (HF turns synced_gpus on by itself for FSDP and ZeRO-3 models, not for this one) until
         # every rank of its shard group has finished (agreed over that group, not HF's whole world:
         # _has_unfinished_sequences), so it works under hybrid sharding and over a subgroup
+        rt = self.__dict__["_yashard_runtime"]()
         if kwargs.get("synced_gpus") is None:
-            rt = self.__dict__["_yashard_runtime"]()
             kwargs["synced_gpus"] = rt is not None and rt.comm.shard_world > 1
+        assisted = [k for k in ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
+                    if kwargs.get(k) is not None]
+        if assisted and kwargs["synced_gpus"] and rt is not None and rt.comm.shard_world > 1:
+            raise NotImplementedError(
+                f"generate({assisted[0]}=...) on a model sharded over {rt.comm.shard_world} ranks: every rank must "
+                "keep stepping until all have finished (synced_gpus), and transformers' assisted decoding goes on "
+                "appending tokens to a rank whose sequence has finished, so its output would run past EOS. Generate "
+                "without assisted decoding (or from a model of one rank, e.g. yashard.export_hf then from_pretrained)")
         return cls.generate(self, *args, **kwargs)
 
     def _has_unfinished_sequences(self, this_peer_finished: bool, synced_gpus: bool, device, *args, **kwargs):
@@ -213,7 +207,6 @@ def _answer_device_and_dtype(module: nn.Module, runtime: Runtime) -> None:
         "_apply": _apply,
         "named_parameters": named_parameters,
         "_fqn_modifiers": _refuse_dsd,
-        "_ddp_params_and_buffers_to_ignore": property(_refuse_ddp),
         "requires_grad_": requires_grad_,
         "__reduce_ex__": _refuse_copy,
         "__deepcopy__": lambda self, memo: _refuse_copy(self),
@@ -314,7 +307,6 @@ class ShardedModel(nn.Module):
 
     __reduce_ex__ = _refuse_copy
     _fqn_modifiers = _refuse_dsd
-    _ddp_params_and_buffers_to_ignore = property(_refuse_ddp)
 
     def __deepcopy__(self, memo):
         _refuse_copy(self)

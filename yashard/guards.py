@@ -77,6 +77,7 @@ def track(runtime, removed: dict[torch.nn.Parameter, str]) -> None:
         _wrap_torch_clip()
         _wrap_plain_grad_scaler()
         _wrap_optimizer_state_dict()
+        _wrap_ddp()
 
 
 _TAG = "yashard_shards"  # the key optimizer state dicts of master shards carry (see below)
@@ -197,6 +198,34 @@ def _wrap_plain_grad_scaler() -> None:
 
     unscale_.__wrapped__ = torch_unscale
     GradScaler.unscale_ = unscale_
+
+
+def _wrap_ddp() -> None:
+    """Refuse ``DistributedDataParallel`` around any module holding master shards (the sharded
+    model, its HF module, or a module of the user's that holds one: a value head, an adapter
+    wrapper, which Accelerate and HF Trainer then wrap). DDP broadcasts rank 0's parameters over
+    every rank's when it is built: here rank 0's shards over the others' (the model changed by 0.13
+    at world 2 without a word), and it would average gradients of different shards."""
+    import functools
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch_init = DDP.__init__
+
+    @functools.wraps(torch_init)
+    def __init__(self, module, *args, **kwargs):
+        if any(_owners.get(p) is not None for p in module.parameters()):
+            raise RuntimeError(
+                f"DistributedDataParallel around {type(module).__name__}, which holds a yashard-sharded model: its "
+                "parameters are flat shards, different on every rank, so DDP would overwrite every rank's shards "
+                "with rank 0's when it is built and average gradients of different shards. yashard already reduces "
+                "the gradients over the data-parallel group (across nodes too: hybrid sharding, "
+                "ShardConfig(shard_group_size=...)). Train the sharded model without DDP, in a loop of your own "
+                "(frameworks that wrap the model in DDP themselves, Accelerate and HF Trainer, are not supported)")
+        torch_init(self, module, *args, **kwargs)
+
+    __init__.__wrapped__ = torch_init
+    DDP.__init__ = __init__
 
 
 def _wrap_torch_clip() -> None:

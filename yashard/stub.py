@@ -58,9 +58,12 @@ class ShardedStub(torch.Tensor):
     # null pointer, an empty storage, or torch's own error).
     data_ptr = untyped_storage = storage = tolist = numpy = item = __array__ = __reduce_ex__ = _refuse
 
-    def _refuse_freeze(self, *args, **kwargs):
-        """Setting ``requires_grad`` on a stub: a new stub is made at each read, so the flag was
-        lost and nothing froze. Which parameters train is fixed at ``shard()``."""
+    def _refuse_freeze(self, requires_grad: bool = True):
+        """Setting ``requires_grad`` on a stub to what it is not: a new stub is made at each read, so
+        the flag was lost and nothing froze. Which parameters train is fixed at ``shard()``. (To what
+        it is: nothing to do.)"""
+        if bool(requires_grad) == torch._C.TensorBase.requires_grad.__get__(self):
+            return self
         raise RuntimeError(
             f"setting requires_grad of {self._fqn} after yashard.shard: which parameters train is fixed when "
             "yashard.shard runs (their values live in flat master shards shared with other parameters), so this "

@@ -720,7 +720,8 @@ def _setup(cfg: TrainConfig) -> Session:
                   f"{digest}: {data_desc}): the resumed run's batches are not the ones the uninterrupted run "
                   "would have drawn (the default text, the Python standard library, differs between Python "
                   "releases and builds)")
-        problem = resume_problem(cfg, extra, ckpt)  # (validate checked the index already)
+        # (validate checked the index already; a checkpoint saved before runs had ids: its derived id)
+        problem = resume_problem(cfg, {**extra, "run": run_id}, ckpt)
         if problem:
             raise ValueError(problem)
         # The command line's weight decay applies from here on (lr is set every step by the schedule).

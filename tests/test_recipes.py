@@ -906,3 +906,24 @@ def test_a_16_bit_model_folder_trained_in_fp32_is_noted(tmp_path):
     train.build_model(finetune.FinetuneConfig(model=str(tmp_path), param_dtype="bf16"), data.ByteTokenizer(),
                       note=notes.append)
     assert notes == []
+
+
+def test_a_checkpoint_saved_before_runs_had_ids_resumes_again_under_its_derived_id(tmp_path):
+    """A checkpoint without a run id gets one from its save's name, which the run resuming it writes to
+    config.json; resumed once more before its next save, setup compared config.json's id with the
+    checkpoint's missing one and refused its own run."""
+    (tmp_path / "config.json").write_text(json.dumps(TINY_CONFIG))
+    out = tmp_path / "out"
+    args = ["--config", str(tmp_path / "config.json"), "--steps", "3", "--eval-every", "0", "--out-dir", str(out),
+            "--seq-len", "64", "--max-bytes", "300000", "--micro-batch", "2"]
+    run_recipe("pretrain.py", *args, "--stop-at", "1")
+    latest = (out / "checkpoint" / "LATEST").read_text().strip()
+    index_path = out / "checkpoint" / latest / "index.json"
+    index = json.loads(index_path.read_text())
+    del index["extra"]["run"]  # (as saved before runs had ids)
+    index_path.write_text(json.dumps(index))
+    config = json.loads((out / "config.json").read_text())
+    config["run"] = train.checkpoint_run(index["extra"], index.get("save") or latest)  # (a resume of it wrote this)
+    (out / "config.json").write_text(json.dumps(config))
+    stdout = run_recipe("pretrain.py", *args, "--stop-at", "2", "--resume", "true")
+    assert "resumed from" in stdout and "after step 1" in stdout, stdout

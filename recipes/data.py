@@ -271,8 +271,8 @@ def encode_sft_example(tok, prompt: str, response: str, seq_len: int) -> tuple[l
         prompt_ids = prompt_ids[len(prompt_ids) - keep:]
         if len(prompt_ids) + len(response_ids) > room:
             response_ids, cut = response_ids[: max(0, room - len(prompt_ids))], "response"
-    ids = (head + prompt_ids + response_ids)[:seq_len]
-    labels = ([IGNORE_INDEX] * (len(head) + len(prompt_ids)) + response_ids)[:seq_len]
+    ids = head + prompt_ids + response_ids  # (fits: cut above)
+    labels = [IGNORE_INDEX] * (len(head) + len(prompt_ids)) + response_ids
     n_pad = seq_len - len(ids)
     mask = [1] * len(ids) + [0] * n_pad
     return ids + [tok.pad_id] * n_pad, labels + [IGNORE_INDEX] * n_pad, mask, cut

@@ -850,8 +850,7 @@ def train_loop(s: Session, profiler=None) -> list[dict]:
     history: list[dict] = []
     s.model.train()
     bar = tqdm(initial=s.start_step, total=cfg.steps, disable=not s.is_main, dynamic_ncols=True, desc="train")
-    # seconds spent in training steps (evaluation excluded), counted on from the log a resumed run continues
-    train_time = s.elapsed
+    train_time = s.elapsed  # seconds in training steps (evaluation excluded), a resumed run's counted on
     for step in range(s.start_step, cfg.steps):
         lr = lr_at(step, lr=cfg.lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps, min_lr_ratio=cfg.min_lr_ratio)
         for group in s.opt.param_groups:
@@ -1077,18 +1076,16 @@ def main_or_usage_error(main) -> None:
         if getattr(e, "before_training", False):
             rank = dist.get_rank() if dist.is_initialized() else 0
             print(f"{f'[rank {rank}] ' if rank else ''}{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(2)
+            exit_now(2)
         raise
     exit_now()
 
 
-def exit_now() -> None:
+def exit_now(code: int = 0) -> None:
     """End the process without interpreter teardown (gloo can abort at exit after destroy)."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -27,16 +27,18 @@ import torch.distributed as dist
 import bench_engines as be
 import benchmark
 import yashard
+import yashard.backward
+import yashard.forward
 import yashard.guards
 import yashard.runtime
 import yashard.unit
 
 # (owner, method) pairs timed by --breakdown
 HOOKS = [
-    (yashard.runtime.Runtime, "_root_pre_forward"), (yashard.runtime.Runtime, "_pre_forward"),
-    (yashard.unit.Unit, "install_views"), (yashard.runtime.Runtime, "_post_forward"),
-    (yashard.runtime.Runtime, "on_unit_backward_start"), (yashard.unit.Unit, "write_grad"),
-    (yashard.runtime.Runtime, "on_unit_grads_complete"), (yashard.runtime.Runtime, "_end_backward"),
+    (yashard.forward.ForwardSchedule, "root_pre_forward"), (yashard.forward.ForwardSchedule, "pre_forward"),
+    (yashard.unit.Unit, "install_views"), (yashard.forward.ForwardSchedule, "post_forward"),
+    (yashard.backward.BackwardSchedule, "on_unit_backward_start"), (yashard.unit.Unit, "write_grad"),
+    (yashard.backward.BackwardSchedule, "on_unit_grads_complete"), (yashard.backward.BackwardSchedule, "_end_backward"),
     (yashard.runtime.Runtime, "clip_grad_norm_"), (yashard.runtime.Runtime, "check_no_new_parameters"),
     (yashard.guards, "step_checks"), (yashard.runtime.Runtime, "after_optimizer_step"),
 ]

@@ -60,9 +60,9 @@ def main(argv=None) -> None:
     if dist.get_world_size() != 1:
         raise SystemExit(f"profile_engines.py compares engines on one process; got world size {dist.get_world_size()}")
     if ours.force_gather:
-        import yashard.runtime
+        import yashard.build
 
-        yashard.runtime.direct_slots = lambda shard_world, config: False
+        yashard.build.direct_slots = lambda shard_world, config: False
     shape = be.model_shape(args.model, args.layers, args.hidden)
     vocab = be.COMMON["vocab_size"]
     mem = be.Memory(device)

@@ -123,7 +123,7 @@ def _kill_mid_shard_write(marker: str, after: int) -> None:
 
 def _kill_mid_pointer_write(marker: str) -> None:
     """Rank 0 writes the index, then half of the new LATEST's temp file, and dies before the rename."""
-    import yashard.checkpoint as ck
+    import yashard.checkpoint.save as ck
 
     original = ck.write_text_atomic
 
@@ -342,7 +342,7 @@ def save_misuse(rank, world, root: str, what: str) -> str | None:
     ("unshared": rank r writes under root/r, as on node-local disks) or with an optimizer whose scalar
     state differs between ranks ("per_rank_scalar") or that has none for a unit on rank 1 alone
     ("missing_state"); the error every rank raises."""
-    import yashard.checkpoint as ck
+    import yashard.checkpoint.save as ck
 
     sm = yashard.shard(build("llama", seed=3))
     ck._VISIBLE_TIMEOUT = 0.5
@@ -460,7 +460,7 @@ def load_while_a_save_commits(rank, world, root: str) -> dict:
     import shutil
     from pathlib import Path
 
-    from yashard import checkpoint as ck
+    from yashard.checkpoint import load as ck
 
     sm, opt = _setup(segment())
     old = yashard.save_checkpoint(root, sm, opt, extra={"step": 1})

@@ -53,31 +53,31 @@ def loading_peak(rank, world, family, overrides, folder):
     """Peak RSS increase while the masters are filled (meta init, or folder when given)."""
     import ctypes
 
-    from yashard.runtime import Runtime
+    import yashard.masters as masters
 
     libc = ctypes.CDLL("libc.so.6")
     libc.mallopt(-3, 64 * 1024)   # M_MMAP_THRESHOLD: large blocks are mmapped and returned on free
     libc.mallopt(-1, 128 * 1024)  # M_TRIM_THRESHOLD
     seen = {}
-    inner = Runtime._materialise
+    inner = masters.materialise
 
-    def measured(self, groups, layouts):
+    def measured(*args):
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # VmHWM := VmRSS
         before = _status_kib("VmRSS")
-        out = inner(self, groups, layouts)
+        out = inner(*args)
         seen["peak"] = (_status_kib("VmHWM") - before) * 1024
         seen["masters"] = sum(t.numel() * t.element_size() for t in out.values())
         return out
 
-    Runtime._materialise = measured
+    masters.materialise = measured
     try:
         model = meta_model(family, **overrides)
         full_bytes = sum(p.numel() * 4 for p in model.parameters())
         largest = max(p.numel() * 4 for p in model.parameters())
         yashard.shard(model, weights=folder)
     finally:
-        Runtime._materialise = inner
+        masters.materialise = inner
     return dict(seen, full=full_bytes, largest=largest)
 
 

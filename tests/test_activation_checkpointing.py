@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import yashard
-from yashard.runtime import _CACHE_KWARGS, _checkpointed_forward
+from yashard.activation_checkpointing import CACHE_KWARGS as _CACHE_KWARGS, checkpointed_forward as _checkpointed_forward
 from models import batches, build
 
 

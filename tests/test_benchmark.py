@@ -367,6 +367,6 @@ def test_host_overhead_prints_both_engines_and_counts_each_hook_once_per_unit():
     rows = {line.split("|")[1].strip(): line for line in proc.stdout.splitlines() if line.startswith("| ")}
     assert {"1", "2"} <= rows.keys() and "fitted overhead:" in proc.stdout
     calls = {k: float(v.split("|")[3]) for k, v in rows.items() if "." in k}
-    assert calls["Runtime._pre_forward"] == 2 + 2  # embedding, 2 layers, head
-    assert calls["Runtime.on_unit_grads_complete"] == 2 + 3  # ... and the norm group
+    assert calls["ForwardSchedule.pre_forward"] == 2 + 2  # embedding, 2 layers, head
+    assert calls["BackwardSchedule.on_unit_grads_complete"] == 2 + 3  # ... and the norm group
     assert calls["Runtime.clip_grad_norm_"] == 1 and calls["guards.step_checks"] == 1

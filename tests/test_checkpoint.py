@@ -31,8 +31,9 @@ from harness import run_distributed as launch, run_until_exit
 from models import batches, build
 from workers import rel_err
 from yashard._io import StreamedSafetensors, exchange_dirs, sniff_foreign_format
-from yashard.checkpoint import (CheckpointError, _plan_reads, check_extra, coverage_problem, decode_value,
-                                describe_params, encode_value, overlaps, params_diff)
+from yashard.checkpoint import (CheckpointError, check_extra, coverage_problem, decode_value, describe_params,
+                                encode_value, overlaps, params_diff)
+from yashard.checkpoint.load import _plan_reads
 from yashard.hf_export import parse_size, plan_files, stored_names
 from yashard.layout import build_layout, shard_pieces
 
@@ -623,8 +624,8 @@ def test_ranks_that_find_different_saves_all_load_the_newest(tmp_path):
 
 def test_a_save_removed_by_a_newer_save_while_loading_says_so(saved, monkeypatch):
     root, save_dir = saved
-    agreed = yashard.checkpoint._agreed_save(_fresh()[0].runtime.comm, root)  # LATEST and the index read first ...
-    monkeypatch.setattr(yashard.checkpoint, "_agreed_save", lambda comm, path: agreed)
+    agreed = yashard.checkpoint.load._agreed_save(_fresh()[0].runtime.comm, root)  # LATEST and the index read first ...
+    monkeypatch.setattr(yashard.checkpoint.load, "_agreed_save", lambda comm, path: agreed)
     (root / "LATEST").write_text("save-000009-0123abcd\n")  # ... then a newer save commits and removes this one
     (save_dir / "shard-00000-of-00001.safetensors").unlink()
     with pytest.raises(CheckpointError, match=r"lost shard-00000-of-00001\.safetensors while it was being loaded: a "

@@ -2,7 +2,7 @@
 
 import torch
 
-from yashard.runtime import _squares_per_tensor
+from yashard.grad_norm import squares_per_tensor as _squares_per_tensor
 
 
 def test_squares_per_tensor_is_accurate_on_long_fp32_shards():

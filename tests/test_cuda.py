@@ -170,7 +170,7 @@ def test_gathers_overlap_compute_on_one_gpu(nccl_group, monkeypatch):
     its own stream) runs while the previous layer's kernels run on the compute stream."""
     from cuda_workers import stream_overlap
 
-    monkeypatch.setattr(yashard.runtime, "direct_slots", lambda shard_world, config: False)
+    monkeypatch.setattr(yashard.build, "direct_slots", lambda shard_world, config: False)
     res = stream_overlap(torch.device("cuda", 0))
     print("stream overlap, world 1, gathered slots:", res)
     assert res["side_count"] > 0, f"no GPU work outside the compute stream: the gathers ran on it ({res})"

@@ -506,7 +506,7 @@ def test_config_hpz_without_resharding():
 
 
 def test_no_sync_needs_per_unit_buffers(pg, monkeypatch):
-    from yashard import runtime as rt_mod
+    from yashard import build as rt_mod
 
     # (over one rank gradients accumulate in master.grad, and no_sync() is allowed: take more ranks' path)
     monkeypatch.setattr(rt_mod, "direct_grads", lambda direct, world, cfg: False)
@@ -1063,7 +1063,7 @@ def test_optimizer_state_is_made_for_shards_turned_off_for_now(pg):
 
 
 def test_slots_of_only_frozen_units_hold_no_gradient_buffer(pg, monkeypatch):
-    from yashard import runtime as rt_mod
+    from yashard import build as rt_mod
 
     # (one rank adds gradients to the masters' in place, with no gradient slots: take the slot path)
     monkeypatch.setattr(rt_mod, "direct_grads", lambda direct, world, cfg: False)
@@ -1096,7 +1096,7 @@ def test_writing_gathered_norm_weights_in_place_is_refused(pg, monkeypatch):
     """The norm group's views stay readable between forwards; writing through one changes a gathered
     copy, which the next forward would use and the next optimizer step would silently drop. (Gathered
     copies as on more ranks; at one rank the views read the shards in place: test_one_rank.py.)"""
-    monkeypatch.setattr(yashard.runtime, "direct_slots", lambda w, cfg: False)
+    monkeypatch.setattr(yashard.build, "direct_slots", lambda w, cfg: False)
     sm = yashard.shard(build())
     ids = _ids(0)
     with torch.no_grad():

@@ -268,7 +268,7 @@ def test_config_differences_that_matter_only_sometimes():
     Both were left out of the comparison whatever the config."""
     from types import SimpleNamespace
 
-    from yashard.checkpoint import _config_dict, config_diff
+    from yashard.config_compare import config_dict as _config_dict, config_diff
     from models import tiny_config
 
     def cfg(**kw):

@@ -60,7 +60,7 @@ def test_meta_init_gemma_style():
     torch.manual_seed(3)
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(GemmaConfig(**cfg))
-    from yashard.materialize import replay_initialisation
+    from yashard.init_replay import replay_initialisation
 
     names = {}
     for n, p in meta.named_parameters(remove_duplicate=False):
@@ -84,7 +84,7 @@ def test_meta_init_of_modules_added_after_from_config():
     them last, by their own reset_parameters, and every other parameter keeps its value (before,
     HF's _init_weights reinitialised the adapters in the middle of the draws: the zero adapter came
     out random and 31 of 40 parameters differed)."""
-    from yashard.materialize import added_modules, replay_initialisation
+    from yashard.init_replay import added_modules, replay_initialisation
 
     def build(device):
         torch.manual_seed(5)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import yashard
-from yashard import runtime as rt_mod
+from yashard import build as rt_mod
 from models import batches, build
 
 

@@ -19,12 +19,12 @@ Over a shard group of one rank (one process, or hybrid sharding with ``shard_gro
 is the whole unit, so there is nothing to gather: slots are then *direct*. They hold gradients only,
 and :meth:`Slot.show` points their weights at the owning unit's own shard (its ``param_dtype`` gather
 source), which the modules' views read in place: no copy, and no weight buffer. Over one
-data-parallel rank with fp32 reductions they hold no gradients either (``Runtime.direct_grads``:
+data-parallel rank with fp32 reductions they hold no gradients either (``PassState.direct_grads``:
 ``Narrow`` adds them to the masters' gradients in place), so their buffers are empty.
 
 A slot remembers its current weight owner, the event that releases it, and the reduction that is
-still reading its gradient buffer; :mod:`yashard.runtime` enforces the ordering rules of
-:mod:`yashard.events` through these fields.
+still reading its gradient buffer; the gathers, the backward schedule and the reduction enforce
+the ordering rules of :mod:`yashard.events` through these fields.
 """
 
 from __future__ import annotations

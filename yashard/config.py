@@ -11,7 +11,7 @@ import torch
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _dtype_name(d: object) -> str:
+def dtype_name(d: object) -> str:
     return str(d).replace("torch.", "")
 
 
@@ -108,12 +108,12 @@ class ShardConfig:
     def __post_init__(self) -> None:
         if self.param_dtype not in _FLOAT_DTYPES:
             raise ValueError(
-                f"ShardConfig.param_dtype={_dtype_name(self.param_dtype)} is not supported; "
+                f"ShardConfig.param_dtype={dtype_name(self.param_dtype)} is not supported; "
                 "use torch.float32, torch.bfloat16 or torch.float16"
             )
         if self.reduce_dtype is not None and self.reduce_dtype not in _FLOAT_DTYPES:
             raise ValueError(
-                f"ShardConfig.reduce_dtype={_dtype_name(self.reduce_dtype)} is not supported; "
+                f"ShardConfig.reduce_dtype={dtype_name(self.reduce_dtype)} is not supported; "
                 "use torch.float32, torch.bfloat16, torch.float16 or None (fp32)"
             )
         if self.param_dtype == torch.bfloat16 and self.reduce_dtype == torch.float16:

@@ -40,8 +40,8 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from .checkpoint import optimizer_units, persistent_buffers
 from .layout import flat_range_boxes, shard_pieces
+from .saved_state import optimizer_units, persistent_buffers
 
 
 class ShardedParameter(torch.Tensor):
@@ -186,7 +186,7 @@ def _init_state(rt, optimizer, units: list) -> None:
     saved = [(u.master.grad, u.grad_unwritten) for u in units]
     weights = [u.master.detach().clone() for u in fresh]
     lrs = [g["lr"] for g in optimizer.param_groups]
-    warned, stepped = rt.warned_fp16, rt.stepped_since_backward
+    warned, stepped = rt.warned_fp16, rt.state.stepped_since_backward
     rt.creating_optimizer_state = True  # (the step's checks are for training steps: see guards._before_step)
     try:
         for u in fresh:
@@ -199,7 +199,7 @@ def _init_state(rt, optimizer, units: list) -> None:
     finally:
         rt.creating_optimizer_state = False
         rt.warned_fp16 = warned   # the fp16 warning belongs to the first real step
-        rt.stepped_since_backward = stepped  # (the gradient flags still count toward the next real step)
+        rt.state.stepped_since_backward = stepped  # (the gradient flags still count toward the next real step)
         for g, lr in zip(optimizer.param_groups, lrs):
             g["lr"] = lr
         for u, (grad, unwritten) in zip(units, saved):
@@ -236,7 +236,7 @@ def sharded_optim_state_dict(rt, optimizer) -> dict:
                 "first real step starts from. Take sharded_optim_state_dict after the first optimizer step (to load "
                 "a checkpoint into a fresh optimizer, use yashard.load_checkpoint)"
             )
-        pending = ("between a forward and its backward" if rt.backward_pending else
+        pending = ("between a forward and its backward" if rt.state.backward_pending else
                    "while a model.no_sync() accumulation waits for its reducing backward"
                    if any(u.unreduced for u in units) else None)
         if pending:

@@ -4,22 +4,27 @@ There are two streams per device: the *compute* stream (whatever stream is curre
 starts) and one *communication* stream that yashard owns. Every collective is issued from the
 communication stream; compute only ever waits on events, never on the host.
 
-Rules (each one is enforced at exactly one place in ``runtime.py``):
+Rules (each one is enforced at exactly one place, named in brackets):
 
   R1 gather-after-release   A weight slot is gathered into only after the compute stream recorded
-                            the release of the slot's previous owner.
+                            the release of the slot's previous owner. [gathers.Gathers.gather]
   R2 compute-after-gather   A unit computes only after its gather landed (compute waits ``gathered``).
+                            [gathers.Gathers.ensure]
   R3 reduce-after-grads     A unit's reduce-scatter starts only after compute recorded that the
                             unit's gradients are complete (its GateGradFlow backward).
+                            [reduction.Reducer.reduce]
   R4 write-after-reduce     A gradient slot is written by a new owner only after the previous
                             owner's reduce-scatter (and its fp32 accumulation) finished.
+                            [backward.BackwardSchedule.claim_grad_slot]
   R5 gather-before-reduce   Gathers are issued one unit ahead (explicit prefetch), so the gather the
                             compute stream needs next is always already queued before any
-                            reduce-scatter that is issued while it waits.
+                            reduce-scatter that is issued while it waits. [gathers.Gathers.prefetch,
+                            called by the forward and backward schedules one unit ahead]
   R6 reduce-after-reduce    A reduction starts only after the previous one (and its accumulation)
                             finished: they share one output buffer. On CUDA the communication stream
                             orders them already; on CPU the host finishes the previous one first
                             (it was issued a whole layer's backward earlier, so this rarely waits).
+                            [reduction.Reducer.reduce]
 
 Forward, layers i-1, i, i+1 (slots alternate A/B by layer parity)::
 
@@ -38,7 +43,7 @@ Backward, layer i (the last two layers are still resident from the forward)::
                                                                                                    |
     compute (layer i-2, first gradient write into the same grad slot) : wait(red i) (R4) ----------+
 
-Over one rank (direct slots and ``Runtime.direct_grads``) nothing is gathered or reduced: the
+Over one rank (direct slots and ``PassState.direct_grads``) nothing is gathered or reduced: the
 views read the shards and ``Narrow`` adds the gradients to ``master.grad`` on the compute stream,
 so nothing reaches the communication stream, and the end of a backward makes the caller's stream
 wait for the compute stream (:meth:`Streams.current_waits_for_backward`).

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .checkpoint import _runtime
-from .guards import NonFiniteError
+from .errors import NonFiniteError
+from .sharded_model import runtime_of
 
 
 class ShardedGradScaler(torch.amp.GradScaler):
@@ -42,10 +42,13 @@ class ShardedGradScaler(torch.amp.GradScaler):
         go into ``save_checkpoint(extra=...)``).
     """
 
+    # A plain torch.amp.GradScaler on master shards is refused (yashard.guards); this one agrees.
+    agrees_across_ranks = True
+
     def __init__(self, model, *, init_scale: float = 2.0**16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True,
                  min_scale: float | None = 1.0):
-        rt = _runtime(model, "ShardedGradScaler")
+        rt = runtime_of(model, "ShardedGradScaler")
         if min_scale is not None and not 0 < min_scale <= init_scale:
             raise ValueError(f"ShardedGradScaler: min_scale={min_scale} must be > 0 and at most init_scale={init_scale} "
                              "(or None, for no lower bound)")

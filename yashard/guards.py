@@ -27,6 +27,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from .comm_hooks import fp16_compress_hook
+from .errors import CollectiveOrderError, NonFiniteError
 
 _handles: list = []
 logger = logging.getLogger("yashard")
@@ -53,14 +54,6 @@ class _ByIdentity:
 
 _removed = _ByIdentity()   # parameters yashard.shard took out of a model -> their name
 _owners = _ByIdentity()    # master shards -> a weak reference to their Runtime (which owns them)
-
-
-class NonFiniteError(FloatingPointError):
-    """A NaN or inf reached the gradients (``ShardConfig(on_nonfinite="raise")``)."""
-
-
-class CollectiveOrderError(RuntimeError):
-    """Ranks issued different sequences of collectives (``ShardConfig(debug_collectives=True)``)."""
 
 
 def track(runtime, removed: dict[torch.nn.Parameter, str]) -> None:
@@ -172,7 +165,8 @@ def _wrap_plain_grad_scaler() -> None:
     (which ``step`` calls) on shards of a shard group of several ranks raises on every rank alike,
     at the first step, naming
     :class:`yashard.ShardedGradScaler` (the same API, with the check agreed across ranks). The
-    fused-optimizer path, which skips ``unscale_``, is refused by :func:`check_loss_scaling`."""
+    fused-optimizer path, which skips ``unscale_``, is refused by :func:`check_loss_scaling`. A scaler
+    whose class says ``agrees_across_ranks = True`` (``ShardedGradScaler``) is let through."""
     import functools
 
     from torch.amp import GradScaler
@@ -181,10 +175,8 @@ def _wrap_plain_grad_scaler() -> None:
 
     @functools.wraps(torch_unscale)
     def unscale_(self, optimizer):
-        from .grad_scaler import ShardedGradScaler
-
         owners = [ref() for group in optimizer.param_groups for p in group["params"] if (ref := _owners.get(p))]
-        if self.is_enabled() and not isinstance(self, ShardedGradScaler) and any(
+        if self.is_enabled() and not getattr(self, "agrees_across_ranks", False) and any(
                 rt is not None and rt.comm.shard_world > 1 for rt in owners):  # (one-rank shards: all alike)
             kind = ("torch.amp.GradScaler" if type(self) is GradScaler else
                     f"{type(self).__module__}.{type(self).__qualname__} (a torch.amp.GradScaler)")

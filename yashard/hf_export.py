@@ -50,9 +50,11 @@ from pathlib import Path
 
 import torch
 
-from . import hf_names
 from ._io import StreamedSafetensors, exchange_dirs, fsync_dir, fsync_file
-from .checkpoint import CheckpointError, _agree, _runtime, persistent_buffers
+from .checkpoint import CheckpointError, agree
+from .hf_names import stored_shapes, to_stored
+from .saved_state import persistent_buffers
+from .sharded_model import runtime_of
 
 logger = logging.getLogger("yashard")
 
@@ -204,7 +206,7 @@ def export_hf(model, path: str | os.PathLike, *, dtype: torch.dtype | None = Non
     and is written to the config. Atomic (module docstring): ``path`` holds either the previous
     folder or the complete new one. Returns ``path``.
     """
-    rt = _runtime(model, "export_hf")
+    rt = runtime_of(model, "export_hf")
     comm = rt.comm
     dtype = torch.float32 if dtype is None else dtype
     if dtype not in _EXPORT_DTYPES:
@@ -218,9 +220,9 @@ def export_hf(model, path: str | os.PathLike, *, dtype: torch.dtype | None = Non
     # MoE layer's fused experts split per expert: hf_names), then the persistent buffers, and the
     # file each goes to
     held = [[(nm, e.shape) for nm, e in zip(stored_names(u.fqns, emb), u.layout.entries)] for u in units]
-    per_unit = [hf_names.stored_shapes(hf, h) for h in held]
+    per_unit = [stored_shapes(hf, h) for h in held]
     tensors = [t for unit in per_unit for t in unit]
-    buffers = list(hf_names.to_stored(hf, dict(persistent_buffers(hf))).items())
+    buffers = list(to_stored(hf, dict(persistent_buffers(hf))).items())
     sizes = [math.prod(shape) * itemsize for _, shape in tensors] + [b.numel() * b.element_size() for _, b in buffers]
     file_of = plan_files(sizes, limit)
     n_files = file_of[-1] + 1
@@ -235,9 +237,9 @@ def export_hf(model, path: str | os.PathLike, *, dtype: torch.dtype | None = Non
     try:
         if comm.rank == 0:
             tmp = _prepare(dest)
-    except Exception as e:  # noqa: BLE001 - shared with every rank by _agree
+    except Exception as e:  # noqa: BLE001 - shared with every rank by agree
         err = e
-    tmp = Path(_agree(comm, "export_hf", err, str(tmp) if tmp else None)[0])
+    tmp = Path(agree(comm, "export_hf", err, str(tmp) if tmp else None)[0])
 
     weight_map: dict[str, str] = {}
     total = 0
@@ -272,7 +274,7 @@ def export_hf(model, path: str | os.PathLike, *, dtype: torch.dtype | None = Non
             if comm.rank != 0 or err is not None:
                 continue  # keep joining the gathers: every rank issues the same collectives
             try:
-                stored = hf_names.to_stored(hf, {nm: flat[e.offset:e.end].view(e.shape)
+                stored = to_stored(hf, {nm: flat[e.offset:e.end].view(e.shape)
                                                  for (nm, _), e in zip(unit_held, u.layout.entries)})
                 for i in mine:
                     nm, _ = tensors[i]
@@ -312,5 +314,5 @@ def export_hf(model, path: str | os.PathLike, *, dtype: torch.dtype | None = Non
         err = e
     if err is not None and comm.rank == 0 and tmp.exists():
         shutil.rmtree(tmp, ignore_errors=True)  # never published; the previous export is untouched
-    _agree(comm, "export_hf", err)
+    agree(comm, "export_hf", err)
     return dest

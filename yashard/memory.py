@@ -1,14 +1,18 @@
-"""The memory plan: every byte the runtime holds, with the formula, known before step one."""
+"""The memory plan: every byte the runtime holds, with the formula, known before step one.
+
+A pure formula over plain inputs (:class:`MemoryInputs`: the config, the shard world, the slot and
+unit sizes), not a reader of a live runtime: the runtime builds its inputs from what it allocated,
+and anything else that knows the sizes gets the same plan.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .runtime import Runtime
+from .config import ShardConfig
+from .quant import qwz_workspace_nbytes
 
 
 def _nbytes(dtype: torch.dtype) -> int:
@@ -50,21 +54,56 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
-def plan_memory(rt: "Runtime") -> MemoryPlan:
+@dataclass(frozen=True)
+class SlotSize:
+    """One slot: its weight elements, its gradient elements (0 when only frozen units use it), and
+    whether it is direct (shows the units' own shards: no weight buffer)."""
+
+    name: str
+    numel: int
+    grad_numel: int
+    direct: bool
+
+
+@dataclass(frozen=True)
+class UnitSize:
+    """One unit: its shard's elements, whether it trains (has gradient storage), the elements of
+    its frozen values kept over a step (partly frozen units), and, for a decoder layer, its padded size."""
+
+    shard_numel: int
+    trains: bool
+    frozen_numel: int = 0
+    layer_padded: int | None = None
+
+
+@dataclass(frozen=True)
+class MemoryInputs:
+    """Everything the plan depends on."""
+
+    config: ShardConfig
+    world: int                      # ranks a unit is sharded over
+    slots: tuple[SlotSize, ...]
+    units: tuple[UnitSize, ...]
+    direct: bool                    # slots show the units' own shards (shard world 1)
+    direct_grads: bool              # gradients are added to the grad shards in place (no slot buffers)
+    reduce_out: bool                # the reduce-scatter output is allocated (one rank: once a hook asks)
+    workspaces: tuple[tuple[str, int, int], ...] = ()  # comm hook scratch: (name, numel, bytes)
+    hook_planned: bool = False      # the workspaces come from the hook's workspace_plan
+
+
+def plan_memory(inp: MemoryInputs) -> MemoryPlan:
     """Derive the plan from the layouts and dtypes alone (no tensor is inspected).
 
     Comm hook scratch (``GradBucket.workspace``) is listed as allocated: a hook with a
     ``workspace_plan`` (every built-in) has it from ``register_comm_hook`` on; one without, from
     its first call.
     """
-    from .zeropp import qwz_workspace_nbytes
-
-    cfg = rt.config
-    w = rt.world
+    cfg = inp.config
+    w = inp.world
     p, g = _nbytes(cfg.param_dtype), _nbytes(cfg.wire_dtype)
     rows = []
-    frozen_slots = any(slot.grad_numel != slot.numel for slot in rt.slots.values())
-    for slot in [] if rt.direct_grads else rt.slots.values():  # (one rank: no slot holds anything)
+    frozen_slots = any(slot.grad_numel != slot.numel for slot in inp.slots)
+    for slot in [] if inp.direct_grads else inp.slots:  # (one rank: no slot holds anything)
         s, gs = slot.numel, slot.grad_numel
         if gs != s:  # units whose parameters are all frozen use it: grads sized by the others (G)
             weights = "weights: the unit's own shard" if slot.direct else f"S*{p} weights"
@@ -76,17 +115,17 @@ def plan_memory(rt: "Runtime") -> MemoryPlan:
             rows.append(MemoryRow(f"slot {slot.name}", s, s * (p + g), f"S={s}: S*({p}+{g}) weights+grads"))
     if cfg.quantized_weights:
         b = max(qwz_workspace_nbytes(s.numel // w, w, bits=cfg.quantized_weights, block=cfg.quant_block)
-                for s in rt.slots.values() if s.name != "small")
+                for s in inp.slots if s.name != "small")
         rows.append(MemoryRow("qwZ codes", b, b, f"W * (max S/W * {cfg.quantized_weights}/8 + 4 per "
                                                  f"{cfg.quant_block}-block, 16-aligned), shared by the slots"))
-    m = max(slot.grad_numel for slot in rt.slots.values()) // w
-    out = w > 1 or rt.reduce_out is not None  # (one rank: only once a comm hook asked for it)
+    m = max(slot.grad_numel for slot in inp.slots) // w
+    out = w > 1 or inp.reduce_out  # (one rank: only once a comm hook asked for it)
     big = "G" if frozen_slots else "S"
     if out:
         rows.append(MemoryRow("reduce-scatter out", m, m * g, f"max {big}/W={m} * {g}, shared by the slots"))
-    n = sum(u.layout.shard_numel for u in rt.units)
-    nt = sum(u.layout.shard_numel for u in rt.units if u.grad_storage is not None)
-    nf = sum(u.frozen_values.numel() for u in rt.units if u.frozen_values is not None)
+    n = sum(u.shard_numel for u in inp.units)
+    nt = sum(u.shard_numel for u in inp.units if u.trains)
+    nf = sum(u.frozen_numel for u in inp.units)
     rows.append(MemoryRow("fp32 master shards", n, 4 * n, f"N/W={n} * 4"))
     if nt == n:
         rows.append(MemoryRow("fp32 grad shards", n, 4 * n, f"N/W={n} * 4"))
@@ -100,24 +139,24 @@ def plan_memory(rt: "Runtime") -> MemoryPlan:
     extra = ""
     if cfg.secondary_group_size is not None:
         h = cfg.secondary_group_size
-        m = sum(u.layout.padded // h for u in rt.layers)
+        m = sum(u.layer_padded // h for u in inp.units if u.layer_padded is not None)
         rows.append(MemoryRow("hpZ secondary shards", m, p * m, f"layers' padded size / {h} * {p}"))
         extra = f" + layers/{h}*{p}"
-    for name, t in rt._workspaces.items():
-        rows.append(MemoryRow(f"comm hook {name}", t.numel(), t.numel() * t.element_size(),
-                              "the comm hook's workspace_plan" if rt._hook_planned else
+    for name, numel, nbytes in inp.workspaces:
+        rows.append(MemoryRow(f"comm hook {name}", numel, nbytes,
+                              "the comm hook's workspace_plan" if inp.hook_planned else
                               "asked for by the comm hook at its first call (it has no workspace_plan)"))
     cast = f"+{p}" if cfg.param_dtype != torch.float32 else ""
     masters = f"N/W*(4{cast})" if cast else "N/W*4"
     shards = f"N/W*(8{cast})" if nt == n else f"{masters} + T/W*4" + (" + F*4" if nf else "")
-    if rt.direct_grads:
+    if inp.direct_grads:
         slots = "no slot buffers (one rank: the views read the shards, gradients are added to the grad shards)"
     elif frozen_slots:
-        slots = f"sum over slots {'' if rt.direct else f'S*{p} + '}G*{g}"
+        slots = f"sum over slots {'' if inp.direct else f'S*{p} + '}G*{g}"
     else:
-        slots = f"sum over slots S*({g if rt.direct else f'{p}+{g}'})"
+        slots = f"sum over slots S*({g if inp.direct else f'{p}+{g}'})"
     formula = (
         slots + f"{f' + max {big}/W*{g}' if out else ''} + {shards}"
-        + extra + (" + qwZ codes" if cfg.quantized_weights else "") + (" + comm hook scratch" if rt._workspaces else "")
+        + extra + (" + qwZ codes" if cfg.quantized_weights else "") + (" + comm hook scratch" if inp.workspaces else "")
     )
     return MemoryPlan(tuple(rows), w, adamw_bytes=8 * nt, formula=formula)

@@ -18,7 +18,7 @@ class Narrow(torch.autograd.Function):
         the unit has run.
       * backward hands the incoming gradient to ``unit.write_grad(index, grad)``, which copies it
         into the unit's gradient slot (upcasting to ``reduce_dtype``), or over one data-parallel rank
-        (``Runtime.direct_grads``) adds it to the unit's fp32 ``master.grad`` in place; autograd never
+        (``PassState.direct_grads``) adds it to the unit's fp32 ``master.grad`` in place; autograd never
         allocates a ``.grad`` for the parameter. It returns no gradient for any input.
       * the node holds the unit weakly: parameter views left on the module keep no runtime alive
         (Python's cycle collector cannot see references held by autograd nodes). A backward that

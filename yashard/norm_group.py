@@ -12,6 +12,8 @@ Gathering a few kilobytes per layer would make every layer pay a latency-bound c
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from .unit import Unit
@@ -25,15 +27,17 @@ def is_small_param(p: torch.Tensor) -> bool:
 class NormGroup:
     """Schedules the small-parameter unit: one gather per forward, one reduction per backward."""
 
-    def __init__(self, unit: Unit):
+    def __init__(self, unit: Unit, prefetch: Callable[[Unit], None], reduce: Callable[[Unit], None]):
         self.unit = unit
+        self._prefetch = prefetch  # issue a gather of a unit unless one for its weights is in flight
+        self._reduce = reduce      # reduce a unit's gradients (the backward schedule's end of a unit)
         self._ready = False
 
     def begin_forward(self, grad_enabled: bool) -> None:
         """Issue the gather (unless one for these weights is in flight) and install the views
         (data lands before the first unit computes)."""
-        rt, unit = self.unit.rt, self.unit
-        rt._prefetch(unit)
+        unit = self.unit
+        self._prefetch(unit)
         self._ready = False
         if grad_enabled:  # (a no-grad forward before this one's backward changes nothing of it)
             unit.fwd_trains = unit.master.requires_grad  # frozen: plain views, no reduction
@@ -48,5 +52,5 @@ class NormGroup:
     def end_backward(self) -> None:
         """Reduce the group's gradients; every backward of a grad-enabled forward reduces once,
         on every rank, so the collective sequence never depends on which parameters got gradients."""
-        if self.unit.fwd_id == self.unit.rt.grad_fwd_id and not self.unit.reduced_in_pass:
-            self.unit.rt.on_unit_grads_complete(self.unit)
+        if self.unit.fwd_id == self.unit.state.grad_fwd_id and not self.unit.reduced_in_pass:
+            self._reduce(self.unit)

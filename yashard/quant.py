@@ -113,6 +113,13 @@ def packed_layout(numel: int, bits: int = 8, block: int = 4096) -> PackedLayout:
     return PackedLayout(numel, bits, block, cb, _align(cb), nb, _align(cb) + _align(4 * nb))
 
 
+def qwz_workspace_nbytes(shard_numel: int, world: int, *, bits: int = 8, block: int = 4096) -> int:
+    """Bytes of the qwZ workspace: ``world`` packed parts of ``shard_numel`` elements."""
+    if world < 1:
+        raise ValueError(f"world must be >= 1, got {world}")
+    return world * packed_layout(shard_numel, bits, block).nbytes
+
+
 def packed_nbytes(numel: int, bits: int = 8, block: int = 4096) -> int:
     """Bytes of one packed part of ``numel`` elements (codes + scales + alignment padding)."""
     return packed_layout(numel, bits, block).nbytes
@@ -165,7 +172,7 @@ def _p2(block: int) -> int:
 # ----------------------------------------------------------------------------------- validation
 
 
-def _check_float(name: str, t: torch.Tensor, numel: int | None = None) -> None:
+def check_float(name: str, t: torch.Tensor, numel: int | None = None) -> None:
     if t.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
     if t.dim() != 1 or not t.is_contiguous():
@@ -175,7 +182,7 @@ def _check_float(name: str, t: torch.Tensor, numel: int | None = None) -> None:
         raise ValueError(f"{name} has {t.numel()} elements, expected {numel}")
 
 
-def _check_bytes(name: str, t: torch.Tensor, need: int) -> None:
+def check_bytes(name: str, t: torch.Tensor, need: int) -> None:
     if t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous():
         raise ValueError(f"{name} must be a contiguous 1-D torch.uint8 buffer, got dtype {t.dtype}, "
                          f"shape {tuple(t.shape)}")
@@ -326,7 +333,7 @@ def quantize(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, *, bits
     ``scales``: contiguous 1-D fp32 with ``num_blocks(x.numel(), block)`` elements. Nothing is allocated
     on the Triton path; all three tensors must share one device."""
     check_format(bits, block)
-    _check_float("x", x)
+    check_float("x", x)
     n = x.numel()
     _check_codes_scales(codes, scales, n, bits, block)
     device = _check_device(x=x, codes=codes, scales=scales)
@@ -344,7 +351,7 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, *, 
     """Write ``code * scale`` (fp32, then cast to ``out.dtype``) into ``out`` (contiguous 1-D fp32/bf16/
     fp16 with as many elements as were quantized). ``codes``/``scales`` as produced by :func:`quantize`."""
     check_format(bits, block)
-    _check_float("out", out)
+    check_float("out", out)
     n = out.numel()
     _check_codes_scales(codes, scales, n, bits, block)
     device = _check_device(codes=codes, scales=scales, out=out)
@@ -370,7 +377,7 @@ def quantize_parts(x: torch.Tensor, buf: torch.Tensor, *, nparts: int, bits: int
     ``transpose_order(rows, cols)[p]``; ``None`` keeps the order. ``seed``: stochastic rounding, element
     ``i`` of part ``p`` drawing ``uniform(seed, p * m + i)``; None rounds to nearest even."""
     check_format(bits, block)
-    _check_float("x", x)
+    check_float("x", x)
     if nparts < 1 or x.numel() % nparts:
         raise ValueError(f"x has {x.numel()} elements, not a multiple of nparts={nparts}")
     rows, cols = transpose if transpose is not None else (nparts, 1)
@@ -379,7 +386,7 @@ def quantize_parts(x: torch.Tensor, buf: torch.Tensor, *, nparts: int, bits: int
     _check_seed(seed)
     m = x.numel() // nparts
     lay = packed_layout(m, bits, block)
-    _check_bytes("buf", buf, nparts * lay.nbytes)
+    check_bytes("buf", buf, nparts * lay.nbytes)
     device = _check_device(x=x, buf=buf)
     if m == 0:
         return
@@ -419,12 +426,12 @@ def dequantize_parts(buf: torch.Tensor, *, nparts: int, numel: int, out: torch.T
     stride = nparts * lay.nbytes if reduce_stride is None else reduce_stride
     if stride % ALIGN or stride < 0:
         raise ValueError(f"reduce_stride must be a non-negative multiple of {ALIGN} bytes, got {stride}")
-    _check_bytes("buf", buf, (nreduce - 1) * stride + nparts * lay.nbytes)
+    check_bytes("buf", buf, (nreduce - 1) * stride + nparts * lay.nbytes)
     if out is not None:
-        _check_float("out", out, nparts * numel)
+        check_float("out", out, nparts * numel)
         device = _check_device(buf=buf, out=out)
     else:
-        _check_bytes("requant", requant, nparts * lay.nbytes)
+        check_bytes("requant", requant, nparts * lay.nbytes)
         device = _check_device(buf=buf, requant=requant)
     qmax, int4 = QMAX[bits], bits == 4
     if numel == 0:

@@ -1,19 +1,27 @@
-"""A unit: parameters that are gathered and reduced together, and their per-pass state."""
+"""A unit: parameters that are gathered and reduced together, and their per-pass state.
+
+A unit knows its layout, its slot, its master shard and gradient storage, and the views it puts on
+the HF modules. It holds no reference to the runtime: the autograd Functions call it
+(``write_grad``, ``on_grads_complete``, ``on_backward_start``) and it hands those moments to the
+backward schedule it is given (:attr:`Unit.backward`), reading the shared :class:`PassState`.
+"""
 
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
 
 from .layout import FlatLayout, shard_ranges_of, uncovered_ranges
 
+from .narrow import Narrow
+from .pass_state import PassState
+
 if TYPE_CHECKING:  # pragma: no cover
     from .buffers import Slot
     from .events import Pending
-    from .runtime import Runtime
 
 
 _TENSOR_DATA = torch._C.TensorBase.data  # torch's own .data: an alias with a version counter of its own
@@ -26,7 +34,7 @@ class MasterShard(nn.Parameter):
     shard's version like any in-place write under ``torch.no_grad()``, and the runtime gathers and
     casts the new values; through a plain Parameter's ``.data``, which counts versions of its own,
     the write would go unseen and stale gathered weights would be used. Assigning ``p.data = x``
-    still swaps the storage, which the runtime refuses (:meth:`Runtime.check_master_storage`)."""
+    still swaps the storage, which the runtime refuses (:func:`yashard.integrity.check_master_storage`)."""
 
     @property
     def data(self) -> torch.Tensor:
@@ -60,7 +68,8 @@ class Unit:
 
     def __init__(
         self,
-        runtime: "Runtime",
+        state: PassState,
+        shard_rank: int,
         name: str,
         kind: str,
         index: int,
@@ -71,7 +80,9 @@ class Unit:
         master: nn.Parameter,
         trainable: list[bool] | None = None,
     ):
-        self.rt = runtime
+        self.state = state          # the pass state shared with the runtime's components
+        # What the autograd Functions' moments are handed to (the backward schedule: set by the runtime).
+        self.backward: BackwardHooks | None = None
         self.name = name
         self.kind = kind            # "layer" | "outer" | "small"
         self.index = index          # layer index, -1 for non-layers
@@ -84,7 +95,7 @@ class Unit:
         self._grad_views: list[torch.Tensor] | None = None  # per entry: its range of the grad slot
         self._flat_grads: torch.Tensor | None = None  # the unit's padded range of the grad slot
         # What the master's storage is: gathers, the gradient buffer's attachment, checkpoint views
-        # and the optimizer state all assume it stays (see Runtime.check_master_storage).
+        # and the optimizer state all assume it stays (see integrity.check_master_storage).
         self.master_storage = storage_key(master)
         # Per entry: did the parameter require gradients when yashard.shard ran (fixed from then on).
         # Frozen entries get plain views (autograd computes no gradient for them); a unit with no
@@ -103,7 +114,7 @@ class Unit:
         self.frozen_ranges: list[tuple[int, int]] = []
         self.frozen_values: torch.Tensor | None = None
         if self.grad_storage is not None and not all(self.trainable):
-            self.frozen_ranges = shard_ranges_of(layout, runtime.comm.shard_rank, [not t for t in self.trainable])
+            self.frozen_ranges = shard_ranges_of(layout, shard_rank, [not t for t in self.trainable])
             n = sum(hi - lo for lo, hi in self.frozen_ranges)
             self.frozen_values = torch.empty(n, dtype=master.dtype, device=master.device) if n else None
         self.frozen_kept = False
@@ -111,7 +122,7 @@ class Unit:
         self.direct_source: torch.Tensor | None = None  # direct slots (shard world 1): gather_src's alias
         self.secondary: torch.Tensor | None = None  # hpZ: this rank's secondary slice of the gathered unit
         self.secondary_version = -1  # master._version of the weights ``secondary`` holds
-        self.order = -1             # position in runtime.units (index of its check flags)
+        self.order = -1             # position in the runtime's units (index of its check flags)
         self.token = torch.empty(0, device=master.device, requires_grad=True)
         self.frozen_token = torch.empty(0, device=master.device)  # the gate's token while frozen
         # Per-pass state.
@@ -164,8 +175,6 @@ class Unit:
         ``grad_forward``: this is a grad-enabled forward, whose views an activation-checkpointed
         unit keeps for its recompute.
         """
-        from .narrow import Narrow
-
         weights = self.slot.weights
         views = []
         for i, (entry, locs) in enumerate(zip(self.layout.entries, self.locations)):
@@ -228,13 +237,12 @@ class Unit:
     # ---- backward ----------------------------------------------------------------------------
     def write_grad(self, index: int, grad: torch.Tensor) -> None:
         """Called by ``Narrow.backward``: put one parameter's gradient into the grad slot (over one
-        rank, :func:`~yashard.runtime.direct_grads`: add it to ``master.grad``)."""
-        rt = self.rt
-        rt.begin_backward()
-        if not rt.accumulating:  # torch.autograd.grad / backward(inputs=...): no parameter's .grad changes
+        rank, :func:`~yashard.build.direct_grads`: add it to ``master.grad``)."""
+        self.backward.begin_backward()
+        if not self.state.accumulating:  # torch.autograd.grad / backward(inputs=...): no parameter's .grad changes
             return
         if not self.grad_claimed:
-            rt.claim_grad_slot(self)
+            self.backward.claim_grad_slot(self)
         if grad.requires_grad:
             raise RuntimeError(
                 f"backward(create_graph=True) reached {self.name}: yashard writes each gradient into its flat "
@@ -242,7 +250,7 @@ class Unit:
                 "penalties) cannot be built through a sharded model. Call backward() without create_graph"
             )
         self.got_grad[index] = True
-        if rt.direct_grads:  # one rank: the gradient goes straight into master.grad, summed as torch would
+        if self.state.direct_grads:  # one rank: the gradient goes straight into master.grad, summed as torch would
             target = self.master.grad
             if target is None or not self.master.requires_grad:  # turned off since its forward: as
                 return                                          # torch, nothing accumulates into it
@@ -268,11 +276,15 @@ class Unit:
 
     def grad_views(self) -> list[torch.Tensor]:
         """Per entry, its range of the grad slot in the parameter's shape (with
-        ``Runtime.direct_grads``: of the unit's persistent gradient storage); made once, as both
+        ``PassState.direct_grads``: of the unit's persistent gradient storage); made once, as both
         live as long as the runtime."""
         if self._grad_views is None:
-            self._grad_views = self._entry_views(self.grad_storage if self.rt.direct_grads else self.slot.grads)
+            self._grad_views = self._entry_views(self.grad_storage if self.state.direct_grads else self.slot.grads)
         return self._grad_views
+
+    def forget_grad_views(self) -> None:
+        """The gradient buffers changed (a comm hook gave the slots theirs): make the views again."""
+        self._grad_views = self._flat_grads = None
 
     def _entry_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [self._entry_view(flat, i) for i in range(len(self.layout.entries))]
@@ -289,7 +301,7 @@ class Unit:
         gaps and padding are re-zeroed only when the previous writer had another layout. Under
         ``no_sync()`` accumulation the ranges keep what earlier backwards wrote.
         """
-        if self.rt.direct_grads:  # master.grad itself: only a dropped one (set_to_none) holds stale values
+        if self.state.direct_grads:  # master.grad itself: only a dropped one (set_to_none) holds stale values
             grads = self.master.grad
             if grads is not None and self.grad_unwritten:
                 for lo, hi in uncovered_ranges(self.layout, self.written) + list(self.layout.gaps()):
@@ -308,12 +320,31 @@ class Unit:
 
     def on_grads_complete(self) -> None:
         """``GateGradFlow.backward``: all of this unit's gradients are in the grad slot."""
-        self.rt.on_unit_grads_complete(self)
+        self.backward.on_unit_grads_complete(self)
 
     def on_backward_start(self, fwd_id: int, views: list[torch.Tensor] | None = None) -> None:
         """``BackwardEntry.backward``: gradients of this unit's outputs (of forward ``fwd_id``) are
         ready; ``views``: its parameter views of that forward (activation-checkpointed layers)."""
-        self.rt.on_unit_backward_start(self, fwd_id, views)
+        self.backward.on_unit_backward_start(self, fwd_id, views)
+
+    def drop_unreduced_if_zeroed(self) -> None:
+        """A ``zero_grad()`` since a ``no_sync()`` backward drops what it accumulated, as in DDP: the
+        unit's ``.grad`` was set to None (or another tensor), or zeroed (its version moved)."""
+        if self.unreduced and (self.grad_unwritten or self.master.grad is not self.grad_storage
+                               or self.grad_storage._version != self.unreduced_version):
+            self.unreduced = False
+
+
+class BackwardHooks(Protocol):
+    """What a unit hands its backward moments to (the runtime's backward schedule)."""
+
+    def begin_backward(self) -> None: ...
+
+    def claim_grad_slot(self, unit: Unit) -> None: ...
+
+    def on_unit_grads_complete(self, unit: Unit) -> None: ...
+
+    def on_unit_backward_start(self, unit: Unit, fwd_id: int, views: list[torch.Tensor] | None) -> None: ...
 
 
 def same_named_subclass(cls: type, cache: dict, members: dict) -> type:

@@ -47,7 +47,7 @@ import torch
 
 from .collectives import Comm
 from .quant import (FLOAT_DTYPES, check_format, dequantize_parts, mix_seed, packed_layout, quantize_parts,
-                    transpose_order, _check_bytes, _check_float)
+                    transpose_order, check_bytes, check_float, qwz_workspace_nbytes)  # (the last: sized here)
 
 
 class QgzFallback(ValueError):
@@ -57,13 +57,6 @@ class QgzFallback(ValueError):
 
 
 # ------------------------------------------------------------------------------------------ qwZ
-
-
-def qwz_workspace_nbytes(shard_numel: int, world: int, *, bits: int = 8, block: int = 4096) -> int:
-    """Bytes of the qwZ workspace: ``world`` packed parts of ``shard_numel`` elements."""
-    if world < 1:
-        raise ValueError(f"world must be >= 1, got {world}")
-    return world * packed_layout(shard_numel, bits, block).nbytes
 
 
 def qwz_all_gather(comm: Comm, out: torch.Tensor, shard: torch.Tensor, workspace: torch.Tensor, *,
@@ -78,11 +71,11 @@ def qwz_all_gather(comm: Comm, out: torch.Tensor, shard: torch.Tensor, workspace
     block=)`` bytes; this rank's part is quantized into its slot and the workspace is gathered in
     place (one collective). Every rank must pass the same ``s``, ``bits``, ``block``."""
     rank, world = comm.group_rank_size(group)
-    _check_float("shard", shard)
+    check_float("shard", shard)
     s = shard.numel()
-    _check_float("out", out, world * s)
+    check_float("out", out, world * s)
     lay = packed_layout(s, bits, block)
-    _check_bytes("workspace", workspace, world * lay.nbytes)
+    check_bytes("workspace", workspace, world * lay.nbytes)
     ws = workspace[: world * lay.nbytes]
     mine = ws[rank * lay.nbytes:(rank + 1) * lay.nbytes]
     quantize_parts(shard, mine, nparts=1, bits=bits, block=block, backend=backend)
@@ -186,8 +179,8 @@ def qgz_reduce_scatter(comm: Comm, out: torch.Tensor, full: torch.Tensor, worksp
                          f"{inter}, but qgz_group_ranks({W}, {L}) gives it {want_intra[node]} and "
                          f"{want_inter[local]}; pass this rank's groups from comm.new_shard_subgroups(intra) / "
                          f"comm.new_shard_subgroups(inter)")
-    _check_float("full", full)
-    _check_float("out", out)
+    check_float("full", full)
+    check_float("out", out)
     if full.numel() != W * out.numel():
         raise ValueError(f"full has {full.numel()} elements and out {out.numel()}: full must hold "
                          f"world ({W}) x out.numel() elements")
@@ -196,7 +189,7 @@ def qgz_reduce_scatter(comm: Comm, out: torch.Tensor, full: torch.Tensor, worksp
         raise QgzFallback(f"qgZ does not apply: {reason}; use the plain reduce-scatter")
     c = out.numel()
     P = packed_layout(c, bits, block).nbytes
-    _check_bytes("workspace", workspace, 2 * W * P)
+    check_bytes("workspace", workspace, 2 * W * P)
     send, recv = workspace[: W * P], workspace[W * P: 2 * W * P]
     kw = dict(bits=bits, block=block, backend=backend)
     seeds = (None, None) if seed is None else (mix_seed(seed, 1), mix_seed(seed, 3))

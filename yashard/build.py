@@ -1,0 +1,209 @@
+"""Building the units and slots of a model (run once, by ``shard()``).
+
+From the partition (:mod:`yashard.partition`) and the ``ShardConfig``: each unit's flat layout,
+the slots the units take turns in and their sizes, the units themselves around their master shards
+(the HF modules lose their parameters to them; reading one gives a :class:`~yashard.stub.ShardedStub`),
+and the order they run in (:class:`UnitSet`).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .buffers import Slot
+from .collectives import Comm
+from .config import ShardConfig
+from .layout import FlatLayout, build_layout, slot_assignment
+from .pass_state import PassState
+from .patch.spec import ModelSpec
+from .stub import ShardedStub, sharded_message
+from .unit import MasterShard, Unit, own_version_alias, same_named_subclass
+
+logger = logging.getLogger("yashard")
+
+# Every parameter starts at a multiple of this many elements in its unit's flat buffer (64 bytes
+# in fp32): the views the layers compute with are as aligned as freshly allocated tensors.
+PARAM_ALIGN = 16
+
+
+def direct_grads(direct: bool, dp_world: int, config: ShardConfig) -> bool:
+    """Over one data-parallel rank with direct slots and fp32 reductions, reducing a unit's gradients
+    is adding them to its master gradient: ``Narrow`` writes them there in place (no gradient slot,
+    no copy, no reduction). A registered comm hook turns this off (it reduces from the slots: comm_hook_registry)."""
+    return direct and dp_world == 1 and config.wire_dtype == torch.float32
+
+
+def direct_slots(shard_world: int, config: ShardConfig) -> bool:
+    """Over one rank a shard is its whole unit: the slots show the units' own shards (no gather
+    copies, no weight buffers), unless qwZ or hpZ are asked for (they change what is gathered)."""
+    return shard_world == 1 and not config.quantized_weights and config.secondary_group_size is None
+
+
+def warn_idle_settings(config: ShardConfig, comm: Comm) -> None:
+    """Warn (rank 0) about settings that change nothing here, so nobody tunes a no-op."""
+    if comm.rank != 0:
+        return
+    if comm.shard_world == 1 and (config.quantized_weights or config.secondary_group_size):
+        logger.warning("yashard: over a one-rank shard group nothing is gathered, yet %s: drop it",
+                       "qwZ (quantized_weights) quantizes the weights for nothing, losing precision"
+                       if config.quantized_weights else
+                       "hpZ (secondary_group_size) keeps a copy of every layer for nothing")
+    if comm.shard_world > 1 and config.secondary_group_size == comm.shard_world:
+        logger.warning(
+            "yashard: secondary_group_size=%d (hpZ) equals the shard group's size, so the backward re-gathers "
+            "run over the same ranks as without it, and each rank keeps a layer slice in param_dtype for nothing: "
+            "use a smaller group (the ranks of one node) or drop secondary_group_size", comm.shard_world)
+    if config.quant_block != ShardConfig.quant_block and not config.quantized_weights:  # (the field's default)
+        logger.warning(
+            "yashard: quant_block=%d is ignored: it sizes qwZ's quantization blocks and quantized_weights is off "
+            "(set quantized_weights=8 or 4, or drop quant_block; qgZ's block is QgzState(block=))",
+            config.quant_block)
+
+
+def layouts_of(groups: dict[str, list], world: int, config: ShardConfig) -> dict[str, FlatLayout]:
+    """Each unit's flat layout over ``world`` ranks."""
+    return {
+        key: build_layout([(fqns[0], p.shape) for p, _, fqns in members], world, param_align=PARAM_ALIGN,
+                          shard_align=config.shard_align)
+        for key, members in groups.items()
+    }
+
+
+def slot_sizes(groups: dict[str, list], layouts: dict[str, FlatLayout], config: ShardConfig):
+    """``(slot of each unit, weight elements per slot, gradient elements per slot)``: a slot is as
+    large as the largest unit it holds; its gradient buffer as the largest that trains (units whose
+    parameters are all frozen write no gradients)."""
+    slot_of = slot_assignment(list(groups), alternate=config.reshard_after_forward)
+    sizes: dict[str, int] = {}
+    grad_sizes: dict[str, int] = {}
+    for key, name in slot_of.items():
+        sizes[name] = max(sizes.get(name, 0), layouts[key].padded)
+        trains = any(p.requires_grad for p, _, _ in groups[key])
+        grad_sizes[name] = max(grad_sizes.get(name, 0), layouts[key].padded if trains else 0)
+    return slot_of, sizes, grad_sizes
+
+
+def make_slots(sizes: dict[str, int], grad_sizes: dict[str, int], world: int, config: ShardConfig,
+               device: torch.device, direct: bool, direct_grads: bool) -> dict[str, Slot]:
+    """The slot buffers (a slot of size 0, every unit in it empty, is left out)."""
+    return {
+        name: Slot(name, numel, world, config.param_dtype, config.wire_dtype, device, direct=direct,
+                   grad_numel=0 if direct_grads else grad_sizes[name])
+        for name, numel in sizes.items()
+        if numel > 0
+    }
+
+
+@dataclass
+class UnitSet:
+    """The units of one model, in the orders the schedules walk them."""
+
+    units: list[Unit]          # forward order, then the norm group (``unit.order`` indexes this)
+    forward_order: list[Unit]  # embedding, layers, lm_head
+    layers: list[Unit]
+    embed: Unit | None
+    lm_head: Unit | None
+    small: Unit | None         # the norm group
+
+
+def make_units(groups: dict[str, list], layouts: dict[str, FlatLayout], slots: dict[str, Slot],
+               slot_of: dict[str, str], masters: dict[str, torch.Tensor], config: ShardConfig, state: PassState,
+               shard_rank: int, device: torch.device, direct: bool) -> tuple[UnitSet, dict[nn.Parameter, str]]:
+    """The units around their master shards, and ``{removed parameter: its name}``: the HF modules
+    no longer own their parameters (a read gives a stub until the unit's views are installed)."""
+    removed: dict[nn.Parameter, str] = {}
+    units: list[Unit] = []
+    layers: list[Unit] = []
+    embed = lm_head = small = None
+    for key, members in groups.items():
+        layout = layouts[key]
+        slot = slots[slot_of[key]]
+        if key.startswith("layer_"):
+            idx, kind = int(key.split("_")[1]), "layer"
+        else:
+            idx, kind = -1, "small" if key == "small" else "outer"
+        master = MasterShard(masters.pop(key))
+        unit = Unit(
+            state, shard_rank, key, kind, idx, layout,
+            locations=[locs for _, locs, _ in members],
+            fqns=[fqns for _, _, fqns in members],
+            slot=slot, master=master, trainable=[p.requires_grad for p, _, _ in members],
+        )
+        if config.param_dtype != torch.float32:
+            unit.gather_src = torch.empty(master.shape, dtype=config.param_dtype, device=device)
+        if direct:  # (an alias: the views' in-place writes move its own version counter)
+            unit.direct_source = own_version_alias(unit.gather_src)
+        if config.secondary_group_size is not None and kind == "layer":  # hpZ: this rank's secondary slice
+            unit.secondary = torch.empty(layout.padded // config.secondary_group_size, dtype=config.param_dtype,
+                                         device=device)
+        for entry, (p, locs, fqns) in enumerate(members):  # the HF modules no longer own these parameters
+            removed[p] = fqns[0]
+            for (module, attr), fqn in zip(locs, fqns):
+                module._parameters.pop(attr, None)
+                mark_sharded(module, attr, fqn, p.shape, unit, entry)
+        units.append(unit)
+        if kind == "layer":
+            layers.append(unit)
+        elif key == "small":
+            small = unit
+        elif key == "embed":
+            embed = unit
+        else:
+            lm_head = unit
+    layers.sort(key=lambda u: u.index)
+    order = ([embed] if embed else []) + layers + ([lm_head] if lm_head else [])
+    units = order + ([small] if small else [])
+    for a, b in zip(order, order[1:] + [None]):
+        a.next_forward = b
+    sharing = collections.Counter(u.slot.name for u in units)
+    for i, u in enumerate(units):
+        u.order = i
+        # Views of a unit whose slot other units reuse come off once nothing reads them any more:
+        # after its forward, or (activation checkpointing recomputes the forward) its backward.
+        checkpointed = u.kind == "layer" and u.index < config.checkpoint_layers
+        if sharing[u.slot.name] > 1:
+            u.views_until = "backward" if checkpointed else "forward"
+        # the recompute of a checkpointed layer reads its own views and the norm group's: those
+        # of the grad-enabled forward it belongs to are put back when its backward starts
+        u.keep_backward_views = checkpointed or (u.kind == "small" and config.checkpoint_layers > 0)
+    return UnitSet(units, order, layers, embed, lm_head, small), removed
+
+
+def module_name(spec: ModelSpec, unit: Unit) -> str:
+    """The HF path of ``unit`` ("model.layers.3", "lm_head", ...), for messages."""
+    if unit.kind == "layer":
+        return f"{spec.layers}.{unit.index}"
+    return {"embed": spec.embed, "lm_head": spec.lm_head}.get(unit.name, "the norm group")
+
+
+_MARKED_CLASSES: dict[type, type] = {}
+
+
+def mark_sharded(module: nn.Module, attr: str, fqn: str, shape: torch.Size, unit: Unit, entry: int) -> None:
+    """Give ``module`` (an HF submodule that lost parameter ``attr`` to a shard) a same-named
+    subclass of its class whose attribute ``attr``, while no view of the running unit is installed,
+    is a :class:`~yashard.stub.ShardedStub`: the parameter's shape, the dtype and device its unit
+    computes in, whether it trains, and no values (``print(model)`` reads shapes; HF forwards read
+    an embedding's device or the head's dtype from outside its unit)."""
+    cls = type(module)
+    if cls not in _MARKED_CLASSES.values():
+        def __getattr__(self, name):
+            try:
+                return cls.__getattr__(self, name)
+            except AttributeError:
+                fqn, shape, unit_ref, entry = self.__dict__.get("_yashard_sharded", {}).get(name, (None,) * 4)
+                if fqn is None:
+                    raise
+                u = unit_ref()
+                if u is None:  # (its runtime is gone)
+                    raise AttributeError(sharded_message(fqn)) from None
+                return ShardedStub(fqn, shape, u.gather_src.dtype, u.master.device,
+                                   u.trainable[entry] and u.master.requires_grad)
+
+        module.__class__ = same_named_subclass(cls, _MARKED_CLASSES, {"__getattr__": __getattr__})
+    module.__dict__.setdefault("_yashard_sharded", {})[attr] = (fqn, torch.Size(shape), unit.ref, entry)

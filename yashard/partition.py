@@ -1,0 +1,150 @@
+"""Which unit each parameter belongs to, checked before anything in the model is changed.
+
+:func:`partition` assigns every parameter of the HF model to exactly one unit: the embedding, one
+decoder layer, the lm_head, or the norm group of all 1-D parameters (tied input/output embeddings
+are one parameter of the embedding unit). :func:`validate` refuses models yashard cannot shard as
+given, and :func:`check_same_model` refuses ranks that shard different models.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+from torch import nn
+
+from .collectives import Comm
+from .config import ShardConfig
+from .norm_group import is_small_param
+from .patch.spec import ModelSpec, get_path
+
+
+def validate(model: nn.Module, spec: ModelSpec, config: ShardConfig) -> None:
+    """Checks that need the model, run before anything in it is changed."""
+    if getattr(model, "_yashard_sharded", False):
+        raise ValueError(
+            "model was already sharded by yashard.shard (its parameters now live in that ShardedModel); "
+            "use the ShardedModel it returned"
+        )
+    wrapped = other_sharding(model)
+    if wrapped is not None:
+        raise ValueError(
+            f"the model is already distributed by {wrapped}: yashard shards a plain HF model itself. Build the "
+            "model without it (no fully_shard / FSDP / DeepSpeed / DTensor parameters) and pass that to yashard.shard"
+        )
+    n_layers = len(get_path(model, spec.layers))
+    ckpt = config.checkpoint_layers
+    if ckpt > n_layers:
+        raise ValueError(
+            f"ShardConfig.checkpoint_layers={ckpt} but the model has {n_layers} decoder layers; "
+            f"use a value between 0 and {n_layers}"
+        )
+    flags = [f for f in ("is_activation_checkpointing", "is_gradient_checkpointing") if hasattr(type(model), f)]
+    if flags and getattr(model, flags[0]):
+        raise ValueError(
+            "the model has HF activation checkpointing enabled (activation_checkpointing_enable() / "
+            "gradient_checkpointing_enable()); it would re-run yashard's layer hooks during backward. "
+            "Turn it off (model.gradient_checkpointing_disable()) and use ShardConfig(checkpoint_layers=N) instead"
+        )
+
+
+def other_sharding(model: nn.Module) -> str | None:
+    """What already distributes ``model``'s parameters, if anything does: FSDP2 (``fully_shard``),
+    FSDP1, DeepSpeed ZeRO-3, or DTensor parameters (tensor parallelism)."""
+    from torch.distributed.tensor import DTensor
+
+    for name, m in model.named_modules():
+        kind = type(m).__name__
+        if kind.startswith("FSDP") or kind == "FullyShardedDataParallel":
+            return f"FSDP ({kind} at {name or 'the root'})"
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor):
+            return f"DTensor parameters ({name}: FSDP2's fully_shard or tensor parallelism)"
+        if hasattr(p, "ds_id"):
+            return f"DeepSpeed ZeRO-3 ({name} is partitioned)"
+    return None
+
+
+def partition(model: nn.Module, spec: ModelSpec) -> dict[str, list]:
+    """Assign every parameter to exactly one unit; returns ``{unit_key: [(param, locs, fqns)]}``."""
+    layers = get_path(model, spec.layers)
+    owners: list[tuple[str, nn.Module]] = [("embed", get_path(model, spec.embed))]
+    owners += [(f"layer_{i}", layer) for i, layer in enumerate(layers)]
+    owners.append(("lm_head", get_path(model, spec.lm_head)))
+
+    # Every (module, attr) location of every parameter, tied parameters seen under all names.
+    locations: dict[int, tuple[nn.Parameter, list, list]] = {}
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        for attr, p in module._parameters.items():
+            if p is None:
+                continue
+            fqn = f"{mod_name}.{attr}" if mod_name else attr
+            rec = locations.setdefault(id(p), (p, [], []))
+            if (module, attr) not in [(m, a) for m, a in rec[1]]:
+                rec[1].append((module, attr))
+            if fqn not in rec[2]:
+                rec[2].append(fqn)
+    for p, _, fqns in locations.values():
+        if not p.is_floating_point():
+            raise ValueError(
+                f"parameter {fqns[0]} has dtype {p.dtype}; yashard shards floating-point parameters only: "
+                "register it as a buffer (module.register_buffer) if it is not trained"
+            )
+
+    owner_of_module = {}
+    for key, root in owners:
+        for m in root.modules():
+            owner_of_module.setdefault(id(m), key)
+    groups: dict[str, list] = {key: [] for key, _ in owners}
+    groups["small"] = []
+    for p, locs, fqns in locations.values():
+        if is_small_param(p):
+            groups["small"].append((p, locs, fqns))
+            continue
+        keys = {owner_of_module.get(id(m)) for m, _ in locs}
+        keys.discard(None)
+        if not keys:
+            raise ValueError(
+                f"parameter {fqns[0]} (shape {tuple(p.shape)}) is outside the decoder layers "
+                f"('{spec.layers}'), the embedding ('{spec.embed}') and the lm_head ('{spec.lm_head}'); "
+                "yashard cannot shard it. Move it into one of those modules, or register it as a buffer "
+                "if it is not trained."
+            )
+        if keys == {"embed", "lm_head"}:      # tied input/output embedding: one unit, two names
+            groups["embed"].append((p, locs, fqns))
+        elif len(keys) > 1:
+            raise ValueError(
+                f"parameter {fqns[0]} is also {', '.join(fqns[1:]) or 'used by another unit'}; yashard "
+                "supports sharing only between the embedding and the lm_head (tied embeddings): untie it "
+                "(assign a clone to one of them) before yashard.shard"
+            )
+        else:
+            groups[keys.pop()].append((p, locs, fqns))
+    return {k: v for k, v in groups.items() if v}
+
+
+def check_same_model(comm: Comm, config: ShardConfig, groups: dict[str, list]) -> None:
+    """Every rank must shard the same model with the same settings: compare a digest of every
+    parameter's name, shape and dtype and of the ShardConfig (its device aside), and on a
+    mismatch name the first difference. Without this, ranks would issue collectives of different
+    sizes and fail later, in gloo or NCCL, without naming the cause."""
+    cfg = {f.name: repr(getattr(config, f.name)) for f in dataclasses.fields(config) if f.name != "device"}
+    desc = [("ShardConfig", sorted(cfg.items()))] + [
+        (key, [(fqns[0], tuple(p.shape), str(p.dtype)) + (() if p.requires_grad else ("frozen",))
+               for p, _, fqns in members]) for key, members in groups.items()]
+    digests = comm.all_gather_object(zlib.crc32(repr(desc).encode()), "yashard.shard: same model on every rank")
+    if len(set(digests)) == 1:
+        return
+    every = comm.all_gather_object(desc, "yashard.shard: the models of the ranks")
+    r = next(i for i, d in enumerate(digests) if d != digests[0])
+    ours, theirs = dict(every[0]), dict(every[r])
+    only_one = [k for k in theirs if k not in ours] + [k for k in ours if k not in theirs]  # (layer counts)
+    where = only_one[0] if only_one else next(k for k in ours if ours[k] != theirs[k])
+    a, b = ours.get(where, []), theirs.get(where, [])
+    first = next(((x, y) for x, y in zip(a, b) if x != y), (a[len(b)] if len(a) > len(b) else None,
+                                                             b[len(a)] if len(b) > len(a) else None))
+    raise ValueError(
+        f"the ranks are sharding different models: in {where}, rank 0 has {first[0]} where rank {r} has "
+        f"{first[1]}. Every rank must build the same model (same config, same code, the same parameters "
+        "frozen) and pass the same ShardConfig (its device aside) to yashard.shard"
+    )

@@ -121,7 +121,7 @@ def stdlib_documents(max_bytes: int = 4_000_000) -> list[str]:
 
     Takes the .py files in sorted path order (what ``_stdlib_file_ok`` leaves out aside) until
     ``max_bytes`` of source is collected; the same files in the same order on every rank of one
-    installation. Another Python release or build has other files (recipes/train.py checks that
+    installation. Another Python release or build has other files (recipes/train_setup.py checks that
     every rank, and a resumed run, reads the same text).
     """
     root = Path(sysconfig.get_paths()["stdlib"])

@@ -8,7 +8,7 @@ With no --model/--tokenizer/--data it trains a tiny random-init Llama on Python 
 sources with a byte-level tokenizer: no downloads, and done in well under two minutes on a
 2-core CPU. A .jsonl --data file of {"prompt", "response"} lines is supervised fine-tuning: the
 loss is taken on the response only. Writes log.jsonl, loss.png (when matplotlib is installed) and
-an HF checkpoint folder final/ under --out-dir. The loop lives in recipes/train.py.
+an HF checkpoint folder final/ under --out-dir. The loop lives in recipes/train_loop.py.
 """
 
 from __future__ import annotations

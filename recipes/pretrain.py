@@ -5,11 +5,11 @@
     torchrun --nproc_per_node 8 recipes/pretrain.py --config my_llama/config.json \\
         --tokenizer TOKENIZER_PATH --data corpus.txt --param-dtype bf16
 
-The model is a ``--model-size`` preset (tiny, small, base: Llama shapes in recipes/train.py) or
+The model is a ``--model-size`` preset (tiny, small, base: Llama shapes in recipes/train_config.py) or
 any HF decoder config.json (``--config``), initialised at random with ``--seed``. The text is
 Python standard library sources by default, or a .txt file (``--data``), cut into random windows
 of ``--seq-len`` tokens. Writes log.jsonl, loss.png (when matplotlib is installed) and an HF
-checkpoint folder final/ under --out-dir. The loop lives in recipes/train.py.
+checkpoint folder final/ under --out-dir. The loop lives in recipes/train_loop.py.
 """
 
 from __future__ import annotations

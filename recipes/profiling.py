@@ -4,7 +4,7 @@
     torchrun --nproc_per_node 8 recipes/profiling.py --model-size base --param-dtype bf16 --active 5
     torchrun --nproc_per_node 8 recipes/profiling.py --model PATH --tokenizer PATH --seq-len 2048
 
-Runs wait + warmup + active steps of recipes/train.py's loop under ``torch.profiler`` with that
+Runs wait + warmup + active steps of recipes/train_loop.py's loop under ``torch.profiler`` with that
 schedule, then writes under --out-dir, per rank r:
 
   trace_rank{r}.json   Chrome trace of the active steps: open it in https://ui.perfetto.dev or

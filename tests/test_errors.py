@@ -813,6 +813,18 @@ def test_weights_read_outside_the_forward_raise_instead_of_showing_another_layer
         q0.nonexistent  # other missing attributes keep torch's message
 
 
+def test_a_stub_answers_the_runtimes_device_and_param_dtype_whatever_the_shards_hold(pg):
+    """The stub's metadata is the runtime's, fixed at ``shard()``: the device as configured
+    (``cpu:0`` stays ``cpu:0``, as ``model.device`` answers) and ``param_dtype``, also after a
+    shard's data was replaced (refused at the next forward, not at a read before it)."""
+    sm = yashard.shard(build(num_hidden_layers=2), config=yashard.ShardConfig(device="cpu:0"))
+    head = sm.module.lm_head
+    assert head.weight.device == sm.module.device == torch.device("cpu", 0)
+    for p in sm.parameters():
+        p.data = p.data.double()
+    assert head.weight.dtype == torch.float32 and head.weight.device == torch.device("cpu", 0)
+
+
 def test_a_sharded_weight_read_outside_its_unit_gives_what_the_unit_computes_in(pg):
     """The stub's dtype and device are those the gathered weights will have (``param_dtype``, not
     the masters' fp32), so ``x.to(lm_head.weight.dtype)`` in an HF forward casts to what the head

@@ -145,7 +145,7 @@ def make_units(groups: dict[str, list], layouts: dict[str, FlatLayout], slots: d
             removed[p] = fqns[0]
             for (module, attr), fqn in zip(locs, fqns):
                 module._parameters.pop(attr, None)
-                mark_sharded(module, attr, fqn, p.shape, unit, entry)
+                mark_sharded(module, attr, fqn, p.shape, unit, entry, config.param_dtype, device)
         units.append(unit)
         if kind == "layer":
             layers.append(unit)
@@ -184,7 +184,8 @@ def module_name(spec: ModelSpec, unit: Unit) -> str:
 _MARKED_CLASSES: dict[type, type] = {}
 
 
-def mark_sharded(module: nn.Module, attr: str, fqn: str, shape: torch.Size, unit: Unit, entry: int) -> None:
+def mark_sharded(module: nn.Module, attr: str, fqn: str, shape: torch.Size, unit: Unit, entry: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
     """Give ``module`` (an HF submodule that lost parameter ``attr`` to a shard) a same-named
     subclass of its class whose attribute ``attr``, while no view of the running unit is installed,
     is a :class:`~yashard.stub.ShardedStub`: the parameter's shape, the dtype and device its unit
@@ -196,14 +197,15 @@ def mark_sharded(module: nn.Module, attr: str, fqn: str, shape: torch.Size, unit
             try:
                 return cls.__getattr__(self, name)
             except AttributeError:
-                fqn, shape, unit_ref, entry = self.__dict__.get("_yashard_sharded", {}).get(name, (None,) * 4)
+                fqn, shape, unit_ref, entry, dtype, device = self.__dict__.get("_yashard_sharded", {}).get(
+                    name, (None,) * 6)
                 if fqn is None:
                     raise
                 u = unit_ref()
                 if u is None:  # (its runtime is gone)
                     raise AttributeError(sharded_message(fqn)) from None
-                return ShardedStub(fqn, shape, u.gather_src.dtype, u.master.device,
+                return ShardedStub(fqn, shape, dtype, device,
                                    u.trainable[entry] and u.master.requires_grad)
 
         module.__class__ = same_named_subclass(cls, _MARKED_CLASSES, {"__getattr__": __getattr__})
-    module.__dict__.setdefault("_yashard_sharded", {})[attr] = (fqn, torch.Size(shape), unit.ref, entry)
+    module.__dict__.setdefault("_yashard_sharded", {})[attr] = (fqn, torch.Size(shape), unit.ref, entry, dtype, device)

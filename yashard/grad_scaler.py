@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .errors import NonFiniteError
+from .guards import register_agreeing_scaler
 from .sharded_model import runtime_of
 
 
@@ -41,9 +42,6 @@ class ShardedGradScaler(torch.amp.GradScaler):
         rank, as with the rest of the training step. ``state_dict()`` holds plain numbers (it can
         go into ``save_checkpoint(extra=...)``).
     """
-
-    # A plain torch.amp.GradScaler on master shards is refused (yashard.guards); this one agrees.
-    agrees_across_ranks = True
 
     def __init__(self, model, *, init_scale: float = 2.0**16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True,
@@ -118,3 +116,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         for device in sorted(per_device, key=str):  # the same collectives, in the same order, on every rank
             self._comm.all_reduce(per_device[device], "ShardedGradScaler found_inf", op="max")
         return per_device
+
+
+# A plain torch.amp.GradScaler on master shards is refused (yashard.guards); this one agrees.
+register_agreeing_scaler(ShardedGradScaler)

@@ -154,6 +154,16 @@ def _refuse_other_state(kind: str, saved: list[list], mine: list[list]) -> None:
     )
 
 
+_agreeing_scalers: list[type] = []  # GradScaler classes whose inf check is agreed across ranks
+
+
+def register_agreeing_scaler(cls: type) -> None:
+    """Let ``cls`` (and its subclasses) through the plain-GradScaler refusal: its found-inf flag is
+    agreed across the ranks (``ShardedGradScaler`` registers itself where it is defined)."""
+    if cls not in _agreeing_scalers:
+        _agreeing_scalers.append(cls)
+
+
 def _wrap_plain_grad_scaler() -> None:
     """Make a plain ``torch.amp.GradScaler`` refuse an optimizer of yashard master shards.
 
@@ -165,8 +175,8 @@ def _wrap_plain_grad_scaler() -> None:
     (which ``step`` calls) on shards of a shard group of several ranks raises on every rank alike,
     at the first step, naming
     :class:`yashard.ShardedGradScaler` (the same API, with the check agreed across ranks). The
-    fused-optimizer path, which skips ``unscale_``, is refused by :func:`check_loss_scaling`. A scaler
-    whose class says ``agrees_across_ranks = True`` (``ShardedGradScaler``) is let through."""
+    fused-optimizer path, which skips ``unscale_``, is refused by :func:`check_loss_scaling`. Scalers
+    of the classes given to :func:`register_agreeing_scaler` (``ShardedGradScaler``) are let through."""
     import functools
 
     from torch.amp import GradScaler
@@ -176,7 +186,7 @@ def _wrap_plain_grad_scaler() -> None:
     @functools.wraps(torch_unscale)
     def unscale_(self, optimizer):
         owners = [ref() for group in optimizer.param_groups for p in group["params"] if (ref := _owners.get(p))]
-        if self.is_enabled() and not getattr(self, "agrees_across_ranks", False) and any(
+        if self.is_enabled() and not isinstance(self, tuple(_agreeing_scalers)) and any(
                 rt is not None and rt.comm.shard_world > 1 for rt in owners):  # (one-rank shards: all alike)
             kind = ("torch.amp.GradScaler" if type(self) is GradScaler else
                     f"{type(self).__module__}.{type(self).__qualname__} (a torch.amp.GradScaler)")

@@ -15,7 +15,6 @@ import weakref
 import torch
 from torch import nn
 
-from .dcp import load_sharded_optim_state_dict, sharded_optim_state_dict, sharded_state_dict
 from .integrity import check_no_sync
 from .memory import MemoryPlan
 from .runtime import Runtime
@@ -372,6 +371,8 @@ class ShardedModel(nn.Module):
         writes each rank's part; ``dcp.load(model.sharded_state_dict(), checkpoint_id=path)`` fills the
         masters in place, from a checkpoint of any world size, of FSDP2 or of an unsharded model
         (:mod:`yashard.dcp`). Optimizer state: :meth:`sharded_optim_state_dict`."""
+        from .dcp import sharded_state_dict  # (torch.distributed.checkpoint: imported when first used)
+
         return sharded_state_dict(self._runtime)
 
     def sharded_optim_state_dict(self, optimizer) -> dict:
@@ -381,11 +382,15 @@ class ShardedModel(nn.Module):
         the optimizer has none yet (one step at learning rate 0 with zero gradients, as FSDP does):
         call it on every rank. After ``dcp.load``, apply the saved hyperparameters with
         :meth:`load_sharded_optim_state_dict`."""
+        from .dcp import sharded_optim_state_dict  # (torch.distributed.checkpoint: imported when first used)
+
         return sharded_optim_state_dict(self._runtime, optimizer)
 
     def load_sharded_optim_state_dict(self, optimizer, state_dict: dict) -> None:
         """Finish loading what ``dcp.load`` put into a :meth:`sharded_optim_state_dict`: set each param
         group's hyperparameters (learning rate, betas, ...) to those saved for the same parameters."""
+        from .dcp import load_sharded_optim_state_dict  # (torch.distributed.checkpoint: imported when first used)
+
         load_sharded_optim_state_dict(self._runtime, optimizer, state_dict)
 
     def full_grads(self) -> dict[str, torch.Tensor]:

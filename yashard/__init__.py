@@ -8,10 +8,11 @@ from .errors import CollectiveOrderError, NonFiniteError, OrderError
 from .grad_scaler import ShardedGradScaler
 from .hf_export import export_hf
 from .memory import MemoryPlan
+from .plan import plan
 from .sharded_model import ShardedModel
 from .stub import ShardedStub
 from .version import __version__
 
-__all__ = ["shard", "from_pretrained", "ShardConfig", "ShardedModel", "MemoryPlan", "OrderError",
+__all__ = ["shard", "from_pretrained", "plan", "ShardConfig", "ShardedModel", "MemoryPlan", "OrderError",
            "save_checkpoint", "load_checkpoint", "export_hf", "CheckpointError", "CollectiveError",
            "CollectiveOrderError", "NonFiniteError", "ShardedGradScaler", "ShardedStub"]

@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .collectives import Comm
-from .config import ShardConfig
+from .config import ShardConfig, low_precision_dtype
 from .patch.spec import resolve_spec
 from .runtime import Runtime
 from .sharded_model import ShardedModel
@@ -71,8 +71,7 @@ def shard(model: nn.Module, *, config: ShardConfig | None = None, process_group=
         raise ValueError("model is already sharded by yashard; call yashard.shard once per model")
     if not isinstance(model, nn.Module):
         raise TypeError(f"yashard.shard expects an nn.Module, got {type(model).__name__}")
-    low = {p.dtype for p in model.parameters() if p.is_floating_point()} if isinstance(model, nn.Module) else set()
-    low = next(iter(low)) if len(low) == 1 and low <= {torch.bfloat16, torch.float16} else None
+    low = low_precision_dtype(p.dtype for p in model.parameters() if p.is_floating_point())
     if config is None:
         # a bf16/fp16 model computes in its dtype, as FSDP2 keeps it (the masters are fp32 all the same)
         config = ShardConfig() if low is None else ShardConfig(param_dtype=low)

@@ -178,3 +178,10 @@ class ShardConfig:
     def wire_dtype(self) -> torch.dtype:
         """The dtype gradients are reduced in (``reduce_dtype`` with ``None`` resolved)."""
         return self.reduce_dtype or torch.float32
+
+
+def low_precision_dtype(dtypes) -> torch.dtype | None:
+    """The one 16-bit dtype (bf16 or fp16) that every floating parameter has, else None: what
+    ``shard()`` computes in when no ``ShardConfig`` says otherwise."""
+    found = set(dtypes)
+    return next(iter(found)) if len(found) == 1 and found <= {torch.bfloat16, torch.float16} else None

@@ -1,0 +1,103 @@
+"""``yashard.plan``: with no process group and no allocation, the same memory plan, row for row, as
+the live runtime's ``memory_plan()`` on every rank, for every ``ShardConfig`` variant the other
+tests train with, at world sizes 1 to 4."""
+
+import pytest
+import torch
+
+import yashard
+from harness import run_distributed
+from models import build, tiny_config
+
+# name -> (ShardConfig keywords, parameter-name substrings frozen before shard(), family)
+CASES = {
+    "default": ({}, (), "llama"),
+    "bf16": ({"param_dtype": torch.bfloat16}, (), "llama"),
+    "bf16 reduce": ({"param_dtype": torch.bfloat16, "reduce_dtype": torch.bfloat16}, (), "llama"),
+    "no reshard": ({"reshard_after_forward": False}, (), "llama"),
+    "checkpointed": ({"checkpoint_layers": 2}, (), "llama"),
+    "qwZ": ({"quantized_weights": 8, "quant_block": 64}, (), "llama"),
+    "tied": ({}, (), "gemma"),
+    "frozen embedding": ({}, ("embed_tokens",), "llama"),
+    "frozen q_proj": ({"param_dtype": torch.bfloat16}, ("q_proj",), "llama"),
+}
+# only where they apply: hybrid sharding and hpZ need the world size to divide
+BY_WORLD = {
+    2: {"hybrid 1": {"shard_group_size": 1}},
+    4: {"hybrid 2": {"shard_group_size": 2}, "hpZ": {"secondary_group_size": 2},
+        "hybrid hpZ": {"shard_group_size": 2, "secondary_group_size": 1}},
+}
+
+
+def cases(world: int) -> dict:
+    out = dict(CASES)
+    out.update({name: (kw, (), "llama") for name, kw in BY_WORLD.get(world, {}).items()})
+    return out
+
+
+def _model(family: str, frozen: tuple, meta: bool):
+    if meta:
+        with torch.device("meta"):
+            from transformers import AutoModelForCausalLM
+            model = AutoModelForCausalLM.from_config(tiny_config(family))
+    else:
+        model = build(family)
+    for name, p in model.named_parameters():
+        if any(f in name for f in frozen):
+            p.requires_grad_(False)
+    return model
+
+
+def _live_plans(rank, world):
+    out = {}
+    for name, (kw, frozen, family) in cases(world).items():
+        sm = yashard.shard(_model(family, frozen, meta=False), config=yashard.ShardConfig(**kw))
+        plan = sm.memory_plan()
+        out[name] = (str(plan), plan.rows, plan.total_bytes, plan.adamw_bytes)
+        del sm
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_the_plan_equals_the_live_runtimes_on_every_rank(world):
+    live = run_distributed(_live_plans, world)
+    for rank in range(world):
+        for name, (kw, frozen, family) in cases(world).items():
+            source = _model(family, frozen, meta=True) if frozen else tiny_config(family)
+            planned = yashard.plan(source, world_size=world, config=yashard.ShardConfig(**kw), rank=rank,
+                                   backend="gloo")
+            text, rows, total, adamw = live[rank][name]
+            assert planned.rows == rows, (world, rank, name, str(planned), text)
+            assert (str(planned), planned.total_bytes, planned.adamw_bytes) == (text, total, adamw), (world, name)
+
+
+def test_a_plan_needs_no_process_group_and_reads_a_config_json(tmp_path):
+    """From a config.json on disk, with no process group initialised: the rows of 256 ranks."""
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    cfg = tiny_config("llama", num_hidden_layers=6)
+    cfg.save_pretrained(tmp_path)
+    plan = yashard.plan(tmp_path / "config.json", world_size=256,
+                        config=yashard.ShardConfig(param_dtype=torch.bfloat16))
+    assert plan.world == 256
+    assert [r.name for r in plan.rows] == ["slot layer_even", "slot layer_odd", "slot outer", "slot small",
+                                           "reduce-scatter out", "fp32 master shards", "fp32 grad shards",
+                                           "torch.bfloat16 gather sources"]
+    same = yashard.plan(cfg, world_size=256, config=yashard.ShardConfig(param_dtype=torch.bfloat16))
+    assert yashard.plan(tmp_path, world_size=256, config=yashard.ShardConfig(param_dtype=torch.bfloat16)).rows \
+        == same.rows == plan.rows
+    assert not dist.is_initialized()
+
+
+def test_plan_refuses_what_it_cannot_plan(tmp_path):
+    with pytest.raises(ValueError, match=r"world_size=0.*int >= 1"):
+        yashard.plan(tiny_config("llama"), world_size=0)
+    with pytest.raises(ValueError, match=r"backend='mpi'.*'nccl', 'gloo'"):
+        yashard.plan(tiny_config("llama"), world_size=2, backend="mpi")
+    with pytest.raises(FileNotFoundError, match=r"does not exist"):
+        yashard.plan(tmp_path / "missing.json", world_size=2)
+    with pytest.raises(TypeError, match=r"nn.Module, a transformers PretrainedConfig"):
+        yashard.plan({"hidden_size": 8}, world_size=2)
+    with pytest.raises(ValueError, match=r"shard_group_size=3 does not divide the world size 4"):
+        yashard.plan(tiny_config("llama"), world_size=4, config=yashard.ShardConfig(shard_group_size=3))

@@ -1,0 +1,122 @@
+"""``yashard.plan``: the memory plan ``shard()`` would hold, with no process group and no allocation.
+
+The plan is the same pure formula the live runtime uses (:func:`yashard.memory.plan_memory`); this
+module builds its inputs from the model's shapes alone: the partition of parameters into units,
+their flat layouts over the shard group, the slots and what the default comm hook asks for. The
+model is built on the meta device from an HF config, a ``config.json`` path or a folder; a model
+object is only read.
+
+    plan = yashard.plan("path/to/config.json", world_size=256,
+                        config=yashard.ShardConfig(param_dtype=torch.bfloat16))
+    print(plan)          # the rows memory_plan() shows, per rank
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from . import build, partition
+from .config import ShardConfig, low_precision_dtype
+from .layout import shard_ranges_of
+from .memory import MemoryInputs, MemoryPlan, SlotSize, UnitSize, plan_memory
+from .patch.spec import resolve_spec
+from .topology import Topology
+
+_BACKENDS = ("nccl", "gloo")
+
+
+def plan(model_or_config, *, world_size: int, config: ShardConfig | None = None, rank: int = 0,
+         backend: str = "nccl") -> MemoryPlan:
+    """The :class:`~yashard.memory.MemoryPlan` that ``yashard.shard`` would hold on rank ``rank`` of
+    ``world_size`` ranks, with the default comm hook.
+
+    ``model_or_config``: an ``nn.Module`` (on any device, the meta device included: only its
+    parameters' shapes, dtypes and ``requires_grad`` are read), a transformers ``PretrainedConfig``,
+    or the path of a ``config.json`` or of a folder holding one. ``config``: as ``shard()`` takes it;
+    without one, a model whose parameters are all bf16 (fp16) computes in that dtype, as ``shard()``
+    decides. ``backend``: the process group's, ``"nccl"`` or ``"gloo"`` (gloo's reduce-scatter over
+    more than two ranks needs a receive buffer). ``rank`` matters only with partly frozen units,
+    whose kept frozen values depend on which rows a rank holds.
+    """
+    if backend not in _BACKENDS:
+        raise ValueError(f"plan(backend={backend!r}): use one of {', '.join(map(repr, _BACKENDS))}, the process "
+                         "group's backend the run will use")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"plan(world_size={world_size!r}): the number of data-parallel ranks, an int >= 1")
+    model = _model_of(model_or_config)
+    config = _config_for(model, config)
+    topo = Topology(world_size, rank, config.shard_group_size or world_size, config.secondary_group_size)
+    return plan_memory(memory_inputs(model, config, topo, backend))
+
+
+def memory_inputs(model: nn.Module, config: ShardConfig, topo: Topology, backend: str) -> MemoryInputs:
+    """What the plan is a formula of, from the model's shapes: the slots and units ``shard()`` would
+    build on ``topo`` (no tensor is allocated), and the default comm hook's workspace."""
+    spec = resolve_spec(model)
+    partition.validate(model, spec, config)
+    groups = partition.partition(model, spec)
+    world = topo.shard_size
+    shard_rank = topo.shard_rank
+    layouts = build.layouts_of(groups, world, config)
+    slot_of, sizes, grad_sizes = build.slot_sizes(groups, layouts, config)
+    direct = build.direct_slots(world, config)
+    direct_grads = build.direct_grads(direct, topo.world, config)
+    slots = tuple(SlotSize(name, numel, 0 if direct_grads else grad_sizes[name], direct)
+                  for name, numel in sizes.items() if numel > 0)
+    units = []
+    for key, members in groups.items():
+        layout = layouts[key]
+        trainable = [p.requires_grad for p, _, _ in members]
+        frozen = 0
+        if any(trainable) and not all(trainable):
+            frozen = sum(hi - lo for lo, hi in shard_ranges_of(layout, shard_rank, [not t for t in trainable]))
+        units.append(UnitSize(layout.shard_numel, any(trainable), frozen,
+                              layout.padded if key.startswith("layer_") else None))
+    # The default hook (comm_hooks.reduce_scatter_hook) asks for a receive buffer of each trained
+    # unit's padded size on gloo over more than two ranks: one buffer, grown to the largest.
+    workspaces = ()
+    if world > 2 and backend == "gloo":
+        numel = max((layouts[key].padded for key, u in zip(groups, units) if u.trains), default=0)
+        if numel:
+            workspaces = (("reduce_scatter", numel, numel * _nbytes(config.wire_dtype)),)
+    return MemoryInputs(config=config, world=world, slots=slots, units=tuple(units), direct=direct,
+                        direct_grads=direct_grads, reduce_out=world > 1, workspaces=workspaces,
+                        hook_planned=True)
+
+
+def _nbytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _model_of(model_or_config) -> nn.Module:
+    """The model to read shapes from: the module itself, or one built on the meta device."""
+    if isinstance(model_or_config, nn.Module):
+        return model_or_config
+    from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+    cfg = model_or_config
+    if isinstance(cfg, (str, os.PathLike)):
+        path = os.fspath(cfg)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"plan: {path} does not exist; pass an HF config, a config.json or a folder "
+                                    "holding one")
+        cfg = AutoConfig.from_pretrained(path)
+    if not isinstance(cfg, PretrainedConfig):
+        raise TypeError(f"plan expects an nn.Module, a transformers PretrainedConfig or the path of a config.json, "
+                        f"got {type(model_or_config).__name__}")
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(cfg)
+
+
+def _config_for(model: nn.Module, config: ShardConfig | None) -> ShardConfig:
+    """``config``, or what ``shard()`` picks without one: the model's dtype when every parameter is
+    bf16 (fp16), else the defaults."""
+    if config is not None:
+        if not isinstance(config, ShardConfig):
+            raise TypeError(f"config must be a yashard.ShardConfig, got {type(config).__name__}")
+        return config
+    low = low_precision_dtype(p.dtype for p in model.parameters() if p.is_floating_point())
+    return ShardConfig() if low is None else ShardConfig(param_dtype=low)

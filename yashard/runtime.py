@@ -68,14 +68,13 @@ class Runtime:
         shards = masters.materialise(model, weights, comm, config, groups, layouts, device)
         unit_set, removed = build.make_units(groups, layouts, self.slots, slot_of, shards, config, self.state,
                                              comm.shard_rank, device, self.direct)
-        self.unit_set = unit_set
         self.units: list[Unit] = unit_set.units
         self.layers: list[Unit] = unit_set.layers
         self.forward_order: list[Unit] = unit_set.forward_order
         self.embed, self.lm_head, self.small = unit_set.embed, unit_set.lm_head, unit_set.small
         self.reducer.plan_workspaces(self.units)  # the default hook's: a receive buffer on gloo over > 2 ranks
-        self.hooks = CommHookRegistry(self.reducer, comm, config, self.state, self.streams, self.units, self.slots,
-                                      grad_sizes, device)
+        self.comm_hooks = CommHookRegistry(self.reducer, comm, config, self.state, self.streams, self.units,
+                                           self.slots, grad_sizes, device)
 
         self.sums = ForwardSums(len(self.units), device)
         self.norms = GradNorms(self.units, comm, device)
@@ -124,8 +123,8 @@ class Runtime:
 
     def _first_grad_forward(self) -> None:
         """A checkpoint's comm hook state that no hook took before the first forward is warned about."""
-        if self.hooks.loaded_state is not None:
-            self.hooks.drop_loaded_state()
+        if self.comm_hooks.loaded_state is not None:
+            self.comm_hooks.drop_loaded_state()
 
     def drain(self) -> None:
         """Wait for every reduction in flight and, on CPU, every gather (compute waits on CUDA;
@@ -252,13 +251,13 @@ class Runtime:
 
     def register_comm_hook(self, state, hook) -> None:
         """Replace how each unit's gradients are reduced (contract in :mod:`yashard.comm_hooks`)."""
-        self.hooks.register(state, hook)
+        self.comm_hooks.register(state, hook)
 
     def hook_state_dict(self) -> dict | None:
-        return self.hooks.state_dict()
+        return self.comm_hooks.state_dict()
 
     def restore_hook_state(self, state_dict: dict | None) -> None:
-        self.hooks.restore_state(state_dict)
+        self.comm_hooks.restore_state(state_dict)
 
     # ------------------------------------------------------------------ user-facing helpers
     def module_name(self, unit: Unit) -> str:

@@ -101,3 +101,48 @@ def test_plan_refuses_what_it_cannot_plan(tmp_path):
         yashard.plan({"hidden_size": 8}, world_size=2)
     with pytest.raises(ValueError, match=r"shard_group_size=3 does not divide the world size 4"):
         yashard.plan(tiny_config("llama"), world_size=4, config=yashard.ShardConfig(shard_group_size=3))
+
+
+def test_the_command_line_prints_the_plan_of_a_preset_marked_fixed_or_1_over_w():
+    """``python -m yashard.plan``: the same rows as ``yashard.plan`` of the preset, each marked fixed
+    (the slots) or 1/W, and the model state with AdamW against the GPU's memory."""
+    import os
+    import subprocess
+    import sys
+
+    from yashard.plan.presets import preset_config
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    out = subprocess.run([sys.executable, "-m", "yashard.plan", "--config", "mistral-7b", "--world", "8",
+                          "--gpu-memory", "24GiB"], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0 and not out.stderr, out.stderr
+    planned = yashard.plan(preset_config("mistral-7b"), world_size=8,
+                           config=yashard.ShardConfig(param_dtype=torch.bfloat16))
+    lines = out.stdout.splitlines()
+    for r in planned.rows:
+        kind = "fixed" if r.name.startswith("slot ") else "1/W"
+        assert any(line.split()[:len(r.name.split())] == r.name.split() and f"{r.bytes / 2**30:.3f} GiB  {kind}" in line
+                   for line in lines), (r.name, out.stdout)
+    state = (planned.total_bytes + planned.adamw_bytes) / 2**30
+    assert f"model state leaves {24 - state:.3f} GiB of 24.000 GiB" in out.stdout
+    assert "activations, communication and peers are not estimated here yet" in out.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--config", "nope", "--world", "2"], "--config nope: neither a preset (llama-3-8b, "),
+    (["--config", "llama-3-8b", "--world", "8", "--gpu-memory", "80XB"], "'80XB' is not a size"),
+])
+def test_the_command_line_names_a_bad_argument(args, message, capsys):
+    from yashard.plan.__main__ import main
+
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_sizes_parse_as_written():
+    from yashard.plan.__main__ import parse_bytes
+
+    assert parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("141GB") == 141 * 10**9 and parse_bytes("1024") == 1024
+    with pytest.raises(ValueError, match="is not a size"):
+        parse_bytes("lots")

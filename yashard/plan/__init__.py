@@ -9,6 +9,13 @@ object is only read.
     plan = yashard.plan("path/to/config.json", world_size=256,
                         config=yashard.ShardConfig(param_dtype=torch.bfloat16))
     print(plan)          # the rows memory_plan() shows, per rank
+
+    python -m yashard.plan --config llama-3-70b --world 256 --param-dtype bf16 --gpu-memory 80GiB
+
+The command line (``yashard/plan/__main__.py``) prints the same rows, each marked as fixed or
+shrinking as 1/W, and the model state against a GPU's memory. Presets
+(:mod:`yashard.plan.presets`) are the shapes of common models, as config dicts: nothing is
+downloaded.
 """
 
 from __future__ import annotations
@@ -18,14 +25,14 @@ import os
 import torch
 from torch import nn
 
-from . import build, partition
-from .config import ShardConfig, low_precision_dtype
-from .layout import shard_ranges_of
-from .memory import MemoryInputs, MemoryPlan, SlotSize, UnitSize, plan_memory
-from .patch.spec import resolve_spec
-from .topology import Topology
+from .. import build, partition
+from ..config import ShardConfig, low_precision_dtype
+from ..layout import shard_ranges_of
+from ..memory import MemoryInputs, MemoryPlan, SlotSize, UnitSize, plan_memory
+from ..patch.spec import resolve_spec
+from ..topology import Topology
 
-_BACKENDS = ("nccl", "gloo")
+BACKENDS = ("nccl", "gloo")
 
 
 def plan(model_or_config, *, world_size: int, config: ShardConfig | None = None, rank: int = 0,
@@ -41,8 +48,8 @@ def plan(model_or_config, *, world_size: int, config: ShardConfig | None = None,
     more than two ranks needs a receive buffer). ``rank`` matters only with partly frozen units,
     whose kept frozen values depend on which rows a rank holds.
     """
-    if backend not in _BACKENDS:
-        raise ValueError(f"plan(backend={backend!r}): use one of {', '.join(map(repr, _BACKENDS))}, the process "
+    if backend not in BACKENDS:
+        raise ValueError(f"plan(backend={backend!r}): use one of {', '.join(map(repr, BACKENDS))}, the process "
                          "group's backend the run will use")
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"plan(world_size={world_size!r}): the number of data-parallel ranks, an int >= 1")

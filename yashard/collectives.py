@@ -56,6 +56,12 @@ def group_backend(group) -> str:
     return str(dist.get_backend_config(group)) if backend == "undefined" else backend
 
 
+def needs_reduce_scatter_scratch(gloo: bool, size: int) -> bool:
+    """Whether a reduce-scatter over ``size`` ranks wants a receive buffer: on gloo over more than two
+    ranks it runs as an all-to-all into one, then a local sum (:meth:`Comm.reduce_scatter`)."""
+    return gloo and size > 2
+
+
 class CollectiveError(RuntimeError):
     """A collective failed or did not finish in time; the message names the layer and phase."""
 
@@ -460,7 +466,7 @@ class Comm:
     def reduce_scatter_needs_scratch(self, group: dist.ProcessGroup | None = None) -> bool:
         """Whether :meth:`reduce_scatter` over ``group`` wants a ``scratch`` buffer (gloo, > 2 ranks)."""
         g = self.shard_group if group is None else group
-        return self._is_gloo(g) and dist.get_world_size(g) > 2
+        return needs_reduce_scatter_scratch(self._is_gloo(g), dist.get_world_size(g))
 
     def _size(self, group: dist.ProcessGroup) -> int:
         """``group``'s world size (looked up once per group)."""

@@ -15,7 +15,8 @@ from .config import ShardConfig
 from .quant import qwz_workspace_nbytes
 
 
-def _nbytes(dtype: torch.dtype) -> int:
+def dtype_bytes(dtype: torch.dtype) -> int:
+    """Bytes per element of ``dtype``."""
     return torch.empty((), dtype=dtype).element_size()
 
 
@@ -100,7 +101,7 @@ def plan_memory(inp: MemoryInputs) -> MemoryPlan:
     """
     cfg = inp.config
     w = inp.world
-    p, g = _nbytes(cfg.param_dtype), _nbytes(cfg.wire_dtype)
+    p, g = dtype_bytes(cfg.param_dtype), dtype_bytes(cfg.wire_dtype)
     rows = []
     frozen_slots = any(slot.grad_numel != slot.numel for slot in inp.slots)
     for slot in [] if inp.direct_grads else inp.slots:  # (one rank: no slot holds anything)

@@ -26,9 +26,11 @@ import torch
 from torch import nn
 
 from .. import build, partition
+from ..collectives import needs_reduce_scatter_scratch
+from ..comm_hooks import reduce_scatter_hook
 from ..config import ShardConfig, low_precision_dtype
 from ..layout import shard_ranges_of
-from ..memory import MemoryInputs, MemoryPlan, SlotSize, UnitSize, plan_memory
+from ..memory import MemoryInputs, MemoryPlan, SlotSize, UnitSize, dtype_bytes, plan_memory
 from ..patch.spec import resolve_spec
 from ..topology import Topology
 
@@ -82,20 +84,31 @@ def memory_inputs(model: nn.Module, config: ShardConfig, topo: Topology, backend
             frozen = sum(hi - lo for lo, hi in shard_ranges_of(layout, shard_rank, [not t for t in trainable]))
         units.append(UnitSize(layout.shard_numel, any(trainable), frozen,
                               layout.padded if key.startswith("layer_") else None))
-    # The default hook (comm_hooks.reduce_scatter_hook) asks for a receive buffer of each trained
-    # unit's padded size on gloo over more than two ranks: one buffer, grown to the largest.
-    workspaces = ()
-    if world > 2 and backend == "gloo":
-        numel = max((layouts[key].padded for key, u in zip(groups, units) if u.trains), default=0)
-        if numel:
-            workspaces = (("reduce_scatter", numel, numel * _nbytes(config.wire_dtype)),)
+    # What the default hook asks for on every trained unit's bucket (Reducer.plan_workspaces), kept
+    # once per name at the largest request, as Reducer.workspace grows it.
+    comm = _PlannedComm(world, needs_reduce_scatter_scratch(backend == "gloo", world))
+    largest: dict[str, tuple[int, torch.dtype]] = {}
+    for key, u in zip(groups, units):
+        if u.trains:
+            for name, numel, dtype in reduce_scatter_hook.workspace_plan(None, comm, layouts[key].padded,
+                                                                         config.wire_dtype):
+                largest[name] = max(largest.get(name, (0, dtype)), (numel, dtype), key=lambda x: x[0])
+    workspaces = tuple((name, numel, numel * dtype_bytes(dtype)) for name, (numel, dtype) in largest.items())
     return MemoryInputs(config=config, world=world, slots=slots, units=tuple(units), direct=direct,
                         direct_grads=direct_grads, reduce_out=world > 1, workspaces=workspaces,
                         hook_planned=True)
 
 
-def _nbytes(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+class _PlannedComm:
+    """What a comm hook's ``workspace_plan`` reads of a :class:`~yashard.collectives.Comm`, for a
+    shard group that does not exist yet."""
+
+    def __init__(self, shard_world: int, needs_scratch: bool):
+        self.shard_world = shard_world
+        self._needs_scratch = needs_scratch
+
+    def reduce_scatter_needs_scratch(self, group=None) -> bool:
+        return self._needs_scratch
 
 
 def _model_of(model_or_config) -> nn.Module:

@@ -97,14 +97,13 @@ class ForwardSchedule:
                 self.first_grad_forward()
             state.grad_fwd_id += 1
             state.fwd_sync = state.require_grad_sync
-        if grad:  # (until its backward ends; a no-grad forward in between, an evaluation, leaves it pending)
+            # (until its backward ends; a no-grad forward in between, an evaluation, leaves it pending)
             state.backward_pending = True
+            for u in units.units:
+                u.fwd_version = u.master._version
         state.fwd_cursor = 0
         state.bwd_last_layer = None
         Gathers.forget_stale(units.units)  # masters changed (optimizer step, load) or the slot was reused
-        if grad:
-            for u in units.units:
-                u.fwd_version = u.master._version
         if self.norm_group is not None:
             if grad:
                 units.small.fwd_id = state.grad_fwd_id

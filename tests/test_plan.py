@@ -99,6 +99,8 @@ def test_plan_refuses_what_it_cannot_plan(tmp_path):
         yashard.plan(tmp_path / "missing.json", world_size=2)
     with pytest.raises(TypeError, match=r"nn.Module, a transformers PretrainedConfig"):
         yashard.plan({"hidden_size": 8}, world_size=2)
+    with pytest.raises(TypeError, match=r"config must be a yashard.ShardConfig, got dict"):
+        yashard.plan(tiny_config("llama"), world_size=2, config={"param_dtype": torch.bfloat16})
     with pytest.raises(ValueError, match=r"shard_group_size=3 does not divide the world size 4"):
         yashard.plan(tiny_config("llama"), world_size=4, config=yashard.ShardConfig(shard_group_size=3))
 

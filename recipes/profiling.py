@@ -10,13 +10,16 @@ schedule, then writes under --out-dir, per rank r:
   trace_rank{r}.json   Chrome trace of the active steps: open it in https://ui.perfetto.dev or
                        chrome://tracing. Every stage of a step is a labelled range: the loop's
                        yashard::data, forward, backward, clip_grad_norm, optimizer_step,
-                       loss_all_reduce, and the runtime's yashard::all_gather, reduce_scatter,
-                       norm_group_all_gather, norm_group_reduce_scatter, post_divide,
-                       wait_collective (the host waits for a collective) and drain.
+                       loss_all_reduce, and the runtime's, which name the unit by its HF
+                       path as FSDP2's do: yashard::all_gather (model.layers.3),
+                       reduce_scatter (lm_head), post_divide (model.embed_tokens), "(norm group)"
+                       for the 1-D parameters; then wait_collective (the host waits for a
+                       collective) and drain.
 
 and on rank 0 profile_summary.txt (also printed) and profile_summary.json: per rank and step,
 time in compute, in communication, exposed communication (communication the compute side is not
-overlapping), memory peak, and host time in each labelled range. Definitions:
+overlapping), memory peak, and host time in each labelled range (a runtime label summed over the
+units). Definitions:
 
   wall      the active steps: ProfilerStep# ranges on the training thread.
   CUDA      comm = union of NCCL kernels; compute = union of all other kernels, memcpys and
@@ -25,7 +28,7 @@ overlapping), memory peak, and host time in each labelled range. Definitions:
             and the point-to-point sends and receives yashard's all-gathers are made of, on the
             training thread (time a transfer is in flight, waiting for peers included); compute =
             the training thread's operators minus its time issuing collectives (c10d::*,
-            yashard::*all_gather, yashard::*reduce_scatter) and waiting for them
+            yashard::all_gather (UNIT), yashard::reduce_scatter (UNIT)) and waiting for them
             (yashard::wait_collective, with the post_divide inside a wait counted as compute);
             exposed = comm time during which the training thread runs no compute operator.
   peak      largest "Total Allocated" in the trace's [memory] events for the device (CPU: counted

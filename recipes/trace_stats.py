@@ -19,9 +19,10 @@ On CPU with gloo (no kernels):
                  the time it waits for the slowest rank.
   compute        union of the training thread's operator ranges (``cpu_op``), minus the time that
                  thread spends in communication: inside ``c10d::*`` ops (issuing a collective) and
-                 in the runtime's issue/wait labels (``yashard::all_gather``, ``yashard::reduce_scatter``
-                 and their norm-group forms, ``yashard::wait_collective``), where ``yashard::post_divide``
-                 nested in a wait counts back as compute. Python time between operators is neither.
+                 in the runtime's issue/wait labels (``yashard::all_gather (UNIT)``,
+                 ``yashard::reduce_scatter (UNIT)``, ``yashard::wait_collective``), where a
+                 ``yashard::post_divide (UNIT)`` nested in a wait counts back as compute. Python time
+                 between operators is neither.
   exposed comm   communication minus compute: time a collective is in flight while the training
                  thread computes nothing (blocked in a wait, issuing, or between operators).
 
@@ -40,17 +41,15 @@ from pathlib import Path
 Interval = tuple[float, float]
 
 # Labels the runtime puts around its communication on the training thread (issue and host waits).
-RUNTIME_COMM_LABELS = (
-    "yashard::all_gather", "yashard::norm_group_all_gather",
-    "yashard::reduce_scatter", "yashard::norm_group_reduce_scatter",
-    "yashard::wait_collective",
-)
-# Stages reported in the per-stage table, in loop order (recipe labels, then runtime labels).
+# A per-unit label names its unit after the stage, as FSDP2's do (``yashard::all_gather
+# (model.layers.3)``, ``yashard::reduce_scatter (norm group)``): these are the stages (:func:`stage`).
+RUNTIME_COMM_LABELS = ("yashard::all_gather", "yashard::reduce_scatter", "yashard::wait_collective")
+# Stages reported in the per-stage table, in loop order (recipe labels, then runtime labels); a
+# runtime stage sums its labels over every unit.
 STAGE_LABELS = (
     "yashard::data", "yashard::forward", "yashard::backward", "yashard::clip_grad_norm",
     "yashard::optimizer_step", "yashard::loss_all_reduce",
-    "yashard::all_gather", "yashard::norm_group_all_gather", "yashard::reduce_scatter",
-    "yashard::norm_group_reduce_scatter", "yashard::post_divide", "yashard::wait_collective",
+    "yashard::all_gather", "yashard::reduce_scatter", "yashard::post_divide", "yashard::wait_collective",
     "yashard::drain",
 )
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -120,6 +119,12 @@ def _span(e: dict) -> Interval:
     return (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)))
 
 
+def stage(name: str) -> str:
+    """The stage of a range's name: the name without the unit a runtime label names
+    (``yashard::all_gather (model.layers.3)`` -> ``yashard::all_gather``)."""
+    return name.split(" (", 1)[0] if name.startswith("yashard::") else name
+
+
 def summarize_trace(trace: dict) -> dict:
     """Per-step times (ms), memory peak (MB) and the basis ("cuda" or "cpu") of one rank's trace.
 
@@ -151,8 +156,8 @@ def summarize_trace(trace: dict) -> dict:
         ops = [e for e in events if on_main(e) and e.get("cat") == "cpu_op"]
         host_comm = subtract(
             [_span(e) for e in ops if e["name"].startswith("c10d::")]
-            + [_span(e) for e in events if on_main(e) and e["name"] in RUNTIME_COMM_LABELS],
-            [_span(e) for e in events if on_main(e) and e["name"] == "yashard::post_divide"],
+            + [_span(e) for e in events if on_main(e) and stage(e["name"]) in RUNTIME_COMM_LABELS],
+            [_span(e) for e in events if on_main(e) and stage(e["name"]) == "yashard::post_divide"],
         )
         compute = intersect(subtract([_span(e) for e in ops if not e["name"].startswith("c10d::")], host_comm), window)
     exposed = subtract(comm, compute)
@@ -163,8 +168,11 @@ def summarize_trace(trace: dict) -> dict:
                  and "Total Allocated" in e["args"]]
 
     n = len(steps)
-    stage_us = {label: length(intersect([_span(e) for e in events if on_main(e) and e["name"] == label], window))
-                for label in STAGE_LABELS}
+    spans: dict[str, list[Interval]] = {label: [] for label in STAGE_LABELS}
+    for e in events:
+        if on_main(e) and e["name"].startswith("yashard::") and stage(e["name"]) in spans:
+            spans[stage(e["name"])].append(_span(e))
+    stage_us = {label: length(intersect(spans[label], window)) for label in STAGE_LABELS}
     return {
         "basis": basis,
         "steps": n,
@@ -198,8 +206,8 @@ FOOTNOTES = {
     "cpu": [
         "wall: the profiled steps (ProfilerStep# ranges on the training thread), per step.",
         "compute: union of the training thread's operators, minus its time issuing collectives",
-        "  (c10d::*, yashard::*all_gather, yashard::*reduce_scatter) and waiting for them",
-        "  (yashard::wait_collective; the yashard::post_divide inside a wait counts as compute).",
+        "  (c10d::*, yashard::all_gather (UNIT), yashard::reduce_scatter (UNIT)) and waiting for them",
+        "  (yashard::wait_collective; the yashard::post_divide (UNIT) inside a wait counts as compute).",
         "comm: union of gloo:* ranges, on gloo's threads and the training thread's sends/receives (in flight, peer waits included).",
         "exposed: comm time during which the training thread runs no compute operator.",
         "peak: largest 'Total Allocated' of the trace's CPU [memory] events (CPU allocator, counted from the "

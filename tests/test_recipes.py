@@ -372,9 +372,11 @@ def test_freeze_option_errors(tmp_path):
 
 EXPECTED_LABELS = {
     "yashard::data", "yashard::forward", "yashard::backward", "yashard::clip_grad_norm",
-    "yashard::optimizer_step", "yashard::loss_all_reduce", "yashard::all_gather",
-    "yashard::norm_group_all_gather", "yashard::reduce_scatter", "yashard::norm_group_reduce_scatter",
-    "yashard::post_divide", "yashard::wait_collective", "yashard::drain",
+    "yashard::optimizer_step", "yashard::loss_all_reduce",
+    # the runtime's per-unit labels name the unit's HF path, as FSDP2's do
+    "yashard::all_gather (model.layers.0)", "yashard::all_gather (norm group)",
+    "yashard::reduce_scatter (model.layers.0)", "yashard::reduce_scatter (norm group)",
+    "yashard::post_divide (model.layers.0)", "yashard::wait_collective", "yashard::drain",
 }
 
 
@@ -391,6 +393,11 @@ def test_profile_trace_is_a_valid_chrome_trace_with_every_label(profile_run, ran
             assert "pid" in e and "tid" in e
     names = {e["name"] for e in events if e["ph"] == "X"}
     assert EXPECTED_LABELS <= names, EXPECTED_LABELS - names
+    # every runtime label is one of the summary's stages, its unit named where it has one
+    labels = {n for n in names if n.startswith("yashard::")}
+    assert {ts.stage(n) for n in labels} <= set(ts.STAGE_LABELS) | {"yashard::save_checkpoint"}, labels
+    assert all(" (" in n for n in labels if ts.stage(n) in ("yashard::all_gather", "yashard::reduce_scatter",
+                                                             "yashard::post_divide")), labels
     steps = [e for e in events if e["ph"] == "X" and e["name"].startswith("ProfilerStep#")]
     assert len(steps) == 2  # --active 2
     assert any(e["name"].startswith("gloo:") for e in events if e["ph"] == "X")
@@ -461,10 +468,11 @@ def test_summarize_cpu_trace_by_hand():
     events = [
         _x("ProfilerStep#3", 0, 100, cat="user_annotation"), _x("ProfilerStep#4", 100, 100, cat="user_annotation"),
         _x("aten::mm", 0, 40),
-        _x("c10d::_allgather_base_", 40, 5), _x("yashard::all_gather", 39, 7, cat="user_annotation"),
+        _x("c10d::_allgather_base_", 40, 5),
+        _x("yashard::all_gather (model.layers.3)", 39, 7, cat="user_annotation"),
         _x("autograd::engine::evaluate_function: X", 50, 40),
         _x("yashard::wait_collective", 60, 20, cat="user_annotation"),
-        _x("yashard::post_divide", 70, 5, cat="user_annotation"), _x("aten::add_", 70, 5),
+        _x("yashard::post_divide (model.layers.3)", 70, 5, cat="user_annotation"), _x("aten::add_", 70, 5),
         _x("aten::add", 110, 50),
         _x("gloo:all_gather", 42, 28, tid=2, cat="user_annotation"),
         _x("aten::copy_", 42, 3, tid=2),  # gloo thread work is communication, not compute
@@ -483,6 +491,15 @@ def test_summarize_cpu_trace_by_hand():
     assert s["memory_peak_mb"] == pytest.approx(3.0)
     assert s["stages_ms"]["yashard::wait_collective"] == pytest.approx(20 / 2 / 1e3)
     assert s["stages_ms"]["yashard::forward"] == 0.0
+    assert s["stages_ms"]["yashard::all_gather"] == pytest.approx(7 / 2 / 1e3)  # (model.layers.3)'s
+    assert s["stages_ms"]["yashard::post_divide"] == pytest.approx(5 / 2 / 1e3)
+
+
+def test_stage_of_a_label_drops_the_unit():
+    assert ts.stage("yashard::all_gather (model.layers.3)") == "yashard::all_gather"
+    assert ts.stage("yashard::reduce_scatter (norm group)") == "yashard::reduce_scatter"
+    assert ts.stage("yashard::all_gather") == "yashard::all_gather"  # (a label without a unit)
+    assert ts.stage("aten::add (x)") == "aten::add (x)"  # only the runtime's labels name a unit
 
 
 def test_summarize_cuda_trace_by_hand():

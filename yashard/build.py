@@ -113,9 +113,11 @@ class UnitSet:
 
 def make_units(groups: dict[str, list], layouts: dict[str, FlatLayout], slots: dict[str, Slot],
                slot_of: dict[str, str], masters: dict[str, torch.Tensor], config: ShardConfig, state: PassState,
-               shard_rank: int, device: torch.device, direct: bool) -> tuple[UnitSet, dict[nn.Parameter, str]]:
+               shard_rank: int, device: torch.device, direct: bool,
+               spec: ModelSpec) -> tuple[UnitSet, dict[nn.Parameter, str]]:
     """The units around their master shards, and ``{removed parameter: its name}``: the HF modules
-    no longer own their parameters (a read gives a stub until the unit's views are installed)."""
+    no longer own their parameters (a read gives a stub until the unit's views are installed).
+    Each unit's collectives are labelled with its HF module path in profiler traces."""
     removed: dict[nn.Parameter, str] = {}
     units: list[Unit] = []
     layers: list[Unit] = []
@@ -134,6 +136,7 @@ def make_units(groups: dict[str, list], layouts: dict[str, FlatLayout], slots: d
             fqns=[fqns for _, _, fqns in members],
             slot=slot, master=master, trainable=[p.requires_grad for p, _, _ in members],
         )
+        unit.name_in_traces("norm group" if kind == "small" else module_name(spec, unit))
         if config.param_dtype != torch.float32:
             unit.gather_src = torch.empty(master.shape, dtype=config.param_dtype, device=device)
         if direct:  # (an alias: the views' in-place writes move its own version counter)

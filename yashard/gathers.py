@@ -57,14 +57,13 @@ class Gathers:
         prev = slot.owner
         if prev is not None and prev is not unit and prev.gathered is not None and not prev.gathered.done:
             prev.gathered.wait()  # an unused prefetch still writing into the slot (CPU: gloo thread)
-        label = "yashard::norm_group_all_gather" if unit.kind == "small" else "yashard::all_gather"
         comm = self.comm
         on_done = None
         training = torch.is_grad_enabled() and not self.state.in_backward  # (a training forward's gather)
         # (no_grad: a c10d op has no autograd kernel, so an fp32 master as its input would give
         # the slot an autograd history through torch's fallback)
         what = What("all_gather", unit.name, self.state.phase())
-        with torch.no_grad(), self.streams.comm_context(), labelled(label), comm.issuing(what):
+        with torch.no_grad(), self.streams.comm_context(), labelled(unit.gather_label), comm.issuing(what):
             if slot.release is not None:
                 self.streams.comm.wait_event(slot.release)
             out = slot.weights_io.narrow(0, 0, unit.layout.padded)

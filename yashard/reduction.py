@@ -65,9 +65,8 @@ class Reducer:
         bucket = GradBucket(self.bucket_index, unit.name, unit.kind == "small", self.comm, slot.name,
                             unit.flat_grads(), self.reduce_output, self.workspace, n)
         self.bucket_index += 1
-        label = "yashard::norm_group_reduce_scatter" if unit.kind == "small" else "yashard::reduce_scatter"
         what = What(self.op_name, unit.name, self.state.phase(), self.hint)
-        with torch.no_grad(), self.streams.comm_context(), labelled(label), self.comm.issuing(what):
+        with torch.no_grad(), self.streams.comm_context(), labelled(unit.reduce_label), self.comm.issuing(what):
             self.streams.comm.wait_event(ready)
             work = self.comm_hook(self.comm_hook_state, bucket)
         if not callable(getattr(work, "wait", None)):
@@ -94,7 +93,7 @@ class Reducer:
                 f"tensor of {n} elements"
             )
         master = unit.master
-        with labelled("yashard::post_divide"):
+        with labelled(unit.post_divide_label):
             replicas = self.comm.replica_group
             if replicas is not None:
                 # (a hook's own value, in another dtype or strided: the replica sum in reduce_dtype, dense)

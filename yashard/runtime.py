@@ -67,7 +67,7 @@ class Runtime:
         self.gathers = Gathers(comm, config, self.streams, self.state, self.slots, device)
         shards = masters.materialise(model, weights, comm, config, groups, layouts, device)
         unit_set, removed = build.make_units(groups, layouts, self.slots, slot_of, shards, config, self.state,
-                                             comm.shard_rank, device, self.direct)
+                                             comm.shard_rank, device, self.direct, spec)
         self.units: list[Unit] = unit_set.units
         self.layers: list[Unit] = unit_set.layers
         self.forward_order: list[Unit] = unit_set.forward_order

@@ -123,6 +123,7 @@ class Unit:
         self.secondary: torch.Tensor | None = None  # hpZ: this rank's secondary slice of the gathered unit
         self.secondary_version = -1  # master._version of the weights ``secondary`` holds
         self.order = -1             # position in the runtime's units (index of its check flags)
+        self.name_in_traces(name)   # (build names the HF module path)
         self.token = torch.empty(0, device=master.device, requires_grad=True)
         self.frozen_token = torch.empty(0, device=master.device)  # the gate's token while frozen
         # Per-pass state.
@@ -164,6 +165,17 @@ class Unit:
 
     def __repr__(self) -> str:
         return f"Unit({self.name}, {self.layout.total} params, slot={self.slot.name})"
+
+    def name_in_traces(self, path: str) -> None:
+        """Label this unit's collectives in profiler traces with ``path``, the HF module path
+        ("model.layers.3", "lm_head"; "norm group"), as FSDP2 does: ``yashard::all_gather (path)``,
+        ``yashard::reduce_scatter (path)``, ``yashard::post_divide (path)``. Made once, here: a
+        step formats no label (:func:`yashard.events.labelled` records one only while a profiler
+        records)."""
+        self.path = path
+        self.gather_label = f"yashard::all_gather ({path})"
+        self.reduce_label = f"yashard::reduce_scatter ({path})"
+        self.post_divide_label = f"yashard::post_divide ({path})"
 
     # ---- views -------------------------------------------------------------------------------
     def install_views(self, token: torch.Tensor | None, grad_forward: bool = False) -> None:

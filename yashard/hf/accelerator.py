@@ -1,0 +1,213 @@
+"""``yashard.hf.Accelerator``: Hugging Face Accelerate with yashard in place of DDP.
+
+A drop-in subclass of ``accelerate.Accelerator``. What it changes, and only for a yashard model:
+
+* ``prepare(model)`` shards an unsharded model (``ShardConfig`` from ``shard_config=``, or derived
+  from ``mixed_precision``) and never wraps it in DDP: yashard reduces the gradients itself.
+  It places nothing: the shards already live on their device. No autocast wraps the forward:
+  the model computes in ``ShardConfig.param_dtype``, which must match ``mixed_precision``.
+* ``no_sync`` / ``accumulate``: with ``reshard_after_forward=True`` (yashard's default) every
+  micro-batch reduces its gradients, which accumulate in fp32 in the master gradients, as with
+  ZeRO-3; with ``reshard_after_forward=False`` it is the model's own ``no_sync``.
+* ``clip_grad_norm_(model.parameters(), ...)`` clips by the global norm over every rank's shards.
+* ``save_state`` / ``load_state`` write and read a yashard checkpoint of the model and its
+  optimizer in ``<dir>/yashard`` (any world size on load), and Accelerate's own files for the
+  rest: schedulers, dataloader samplers, RNG states, the scaler, registered objects.
+* ``get_state_dict`` gathers the full fp32 weights, by HF name, on every rank.
+
+Everything else is Accelerate's own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+
+import torch
+from accelerate import Accelerator as _Accelerator
+from accelerate.checkpointing import load_accelerator_state, load_custom_state, save_accelerator_state, save_custom_state
+
+from ..api import shard
+from ..checkpoint import load_checkpoint, save_checkpoint
+from ..config import ShardConfig
+from ..sharded_model import ShardedModel
+
+logger = logging.getLogger("yashard")
+
+CHECKPOINT_DIR = "yashard"  # the sharded checkpoint inside a save_state folder or a Trainer checkpoint
+
+_PRECISION_DTYPES = {"no": torch.float32, "bf16": torch.bfloat16}
+
+
+def precision_dtype(mixed_precision: str) -> torch.dtype:
+    """The ``param_dtype`` that Accelerate's ``mixed_precision`` asks for; fp16 and fp8 are refused."""
+    if mixed_precision not in _PRECISION_DTYPES:
+        raise ValueError(
+            f"mixed_precision={mixed_precision!r} with yashard: yashard.hf computes in fp32 ('no') or bf16 ('bf16'). "
+            "fp16 needs a gradient scaler over the shards, which Accelerate's does not know: use bf16"
+        )
+    return _PRECISION_DTYPES[mixed_precision]
+
+
+def check_precision(model: ShardedModel, mixed_precision: str) -> None:
+    """Refuse a sharded model whose compute dtype is wider than ``mixed_precision`` asks for:
+    with no autocast around it, it would silently compute in fp32."""
+    want = precision_dtype(mixed_precision)
+    have = model.runtime.config.param_dtype
+    if want != torch.float32 and have == torch.float32:
+        raise ValueError(
+            f"mixed precision {mixed_precision!r} but the model was sharded with ShardConfig(param_dtype=torch.float32), "
+            "so it would compute in fp32: shard it with ShardConfig(param_dtype=torch.bfloat16), or pass the unsharded "
+            "model and let yashard.hf shard it"
+        )
+
+
+def raw_optimizer(optimizer):
+    """The ``torch.optim`` optimizer inside Accelerate's ``AcceleratedOptimizer`` wrappers."""
+    while hasattr(optimizer, "optimizer") and not isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def optimizer_of(model: ShardedModel, optimizers: list):
+    """The one optimizer among ``optimizers`` that trains ``model``'s shards (None if none does)."""
+    mine = {id(p) for p in model.parameters()}
+    found = [o for o in optimizers if any(id(p) in mine for g in raw_optimizer(o).param_groups for p in g["params"])]
+    if len(found) > 1:
+        raise ValueError("more than one optimizer trains the yashard model's shards; yashard.hf saves one")
+    return raw_optimizer(found[0]) if found else None
+
+
+class Accelerator(_Accelerator):
+    """``accelerate.Accelerator`` that trains yashard-sharded models (see the module docstring).
+
+    ``shard_config``: the ``ShardConfig`` for models that ``prepare`` shards; by default
+    ``ShardConfig(param_dtype=...)`` from ``mixed_precision``."""
+
+    def __init__(self, *args, shard_config: ShardConfig | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.shard_config = shard_config
+
+    # --- the model -----------------------------------------------------------------------
+
+    def yashard_config(self) -> ShardConfig:
+        """The ``ShardConfig`` for a model this accelerator shards."""
+        config = getattr(self, "shard_config", None)
+        dtype = precision_dtype(self.mixed_precision)
+        if config is None:
+            return ShardConfig(param_dtype=dtype)
+        if dtype != torch.float32 and config.param_dtype == torch.float32:
+            raise ValueError(
+                f"mixed precision {self.mixed_precision!r} but shard_config has param_dtype=torch.float32; set "
+                "ShardConfig(param_dtype=torch.bfloat16)"
+            )
+        return config
+
+    def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
+                      evaluation_mode: bool = False):
+        if not isinstance(model, ShardedModel):
+            if not any(p.requires_grad for p in model.parameters()):  # (a frozen reference model: not trained)
+                return super().prepare_model(model, device_placement, evaluation_mode)
+            model = shard(model, config=self.yashard_config())
+        check_precision(model, self.mixed_precision)
+        if model not in self._models:
+            self._models.append(model)
+        return model
+
+    def prepare(self, *args, device_placement=None):
+        unsharded = {id(p): type(m).__name__ for m in args if isinstance(m, torch.nn.Module)
+                     and not isinstance(m, ShardedModel) for p in m.parameters() if p.requires_grad}
+        for opt in args:
+            if isinstance(raw_optimizer(opt), torch.optim.Optimizer) and any(
+                    id(p) in unsharded for g in raw_optimizer(opt).param_groups for p in g["params"]):
+                raise ValueError(
+                    "prepare() got an optimizer built over the parameters of the unsharded model it also got: "
+                    "sharding replaces them with flat shards, so that optimizer would train nothing. Prepare the "
+                    "model first (model = accelerator.prepare(model)), then build the optimizer over "
+                    "model.parameters() and prepare it")
+        return super().prepare(*args, device_placement=device_placement)
+
+    def unwrap_model(self, model, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
+        if isinstance(model, ShardedModel):
+            return model
+        return super().unwrap_model(model, keep_fp32_wrapper, keep_torch_compile)
+
+    # --- gradients -----------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def no_sync(self, model):
+        if not isinstance(model, ShardedModel):
+            with super().no_sync(model):
+                yield
+            return
+        if model.runtime.config.reshard_after_forward:
+            yield  # every micro-batch reduces; the gradients add up in fp32 in the master gradients
+            return
+        with model.no_sync():
+            yield
+
+    def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
+        parameters = list(parameters)
+        for model in self._models:
+            if isinstance(model, ShardedModel) and {id(p) for p in parameters} == {id(p) for p in model.parameters()}:
+                self.unscale_gradients()
+                return model.clip_grad_norm_(max_norm, norm_type)
+        return super().clip_grad_norm_(parameters, max_norm, norm_type)
+
+    # --- state ---------------------------------------------------------------------------
+
+    def _sharded_model(self, what: str) -> ShardedModel | None:
+        sharded = [m for m in self._models if isinstance(m, ShardedModel)]
+        if not sharded:
+            return None
+        if len(self._models) > 1:
+            raise ValueError(f"{what} with a yashard model: prepare one model per Accelerator "
+                             f"(this one has {len(self._models)})")
+        return sharded[0]
+
+    def get_state_dict(self, model, unwrap=True):
+        if isinstance(model, ShardedModel):
+            return model.full_state_dict()
+        return super().get_state_dict(model, unwrap)
+
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **save_model_func_kwargs):
+        model = self._sharded_model("save_state")
+        if model is None:
+            return super().save_state(output_dir, safe_serialization, **save_model_func_kwargs)
+        if output_dir is None:
+            raise ValueError("save_state with a yashard model needs output_dir (automatic checkpoint naming is not "
+                             "supported)")
+        os.makedirs(output_dir, exist_ok=True)
+        save_checkpoint(os.path.join(output_dir, CHECKPOINT_DIR), model, optimizer_of(model, self._optimizers))
+        others = [o for o in self._optimizers if raw_optimizer(o) is not optimizer_of(model, self._optimizers)]
+        if others:
+            raise ValueError("save_state with a yashard model: an optimizer that does not train the model's shards "
+                             "was prepared; yashard.hf saves the model's own optimizer only")
+        location = save_accelerator_state(
+            output_dir, [], [], self._schedulers, self._dataloaders, self.state.process_index, self.step,
+            self.scaler, save_on_each_node=self.project_configuration.save_on_each_node,
+            safe_serialization=safe_serialization)
+        for i, obj in enumerate(self._custom_objects):
+            save_custom_state(obj, output_dir, i, save_on_each_node=self.project_configuration.save_on_each_node)
+        self.project_configuration.iteration += 1
+        return location
+
+    def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **load_model_func_kwargs):
+        model = self._sharded_model("load_state")
+        if model is None:
+            return super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
+        if input_dir is None:
+            raise ValueError("load_state with a yashard model needs input_dir")
+        path = os.path.join(input_dir, CHECKPOINT_DIR)
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"{input_dir} has no {CHECKPOINT_DIR}/ folder: it was not written by "
+                                    "yashard.hf.Accelerator.save_state")
+        load_checkpoint(path, model, optimizer_of(model, self._optimizers))
+        override = load_accelerator_state(input_dir, [], [], self._schedulers, self._dataloaders,
+                                          self.state.process_index, self.scaler, map_location="cpu",
+                                          load_kwargs=load_kwargs)
+        if "step" in override:
+            self.step = override["step"]
+        for i, obj in enumerate(self._custom_objects):
+            load_custom_state(obj, input_dir, i)

@@ -1,0 +1,271 @@
+"""``yashard.hf.Trainer``: ``transformers.Trainer`` on a yashard-sharded model.
+
+:class:`ShardedTrainerMixin` goes in front of ``transformers.Trainer`` or any subclass of it
+(``yashard.hf.Trainer``, ``yashard.hf.SFTTrainer``; ``yashard.hf.sharded_trainer(cls)`` builds
+one for another subclass). The user's ``TrainingArguments`` stay as they are. What it does:
+
+* **Shards the model** given as an object or a folder path, with the ``ShardConfig`` given as
+  ``shard_config=`` or derived from the arguments: ``bf16=True`` computes in bf16,
+  ``gradient_checkpointing=True`` checkpoints every layer (``ShardConfig.checkpoint_layers``,
+  yashard's own; HF's is off then). A model sharded already is checked against them.
+* **Accelerate**: the trainer's accelerator is :class:`yashard.hf.Accelerator`: no DDP, gradient
+  accumulation in yashard's default mode, the global gradient norm, no device move.
+* **Checkpoints** (``save_steps``, ``save_total_limit``): ``checkpoint-N/yashard`` is a yashard
+  sharded checkpoint of the model and the optimizer; the scheduler, RNG states,
+  ``trainer_state.json`` and ``training_args.bin`` are Trainer's own files beside it.
+  ``resume_from_checkpoint`` reads them at any world size.
+* **save_model()** writes an HF folder (``yashard.export_hf``) with the tokenizer, which
+  ``AutoModelForCausalLM.from_pretrained`` loads.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import types
+
+import torch
+import transformers
+
+from ..api import from_pretrained, shard
+from ..checkpoint import load_checkpoint, save_checkpoint
+from ..config import ShardConfig
+from ..hf_export import export_hf
+from ..sharded_model import ShardedModel
+from .accelerator import CHECKPOINT_DIR, Accelerator, raw_optimizer
+
+logger = logging.getLogger("yashard")
+
+TRAINING_ARGS_NAME = "training_args.bin"
+SCHEDULER_NAME = "scheduler.pt"
+
+
+def shard_config_from_args(args, config: ShardConfig | None, num_layers: int) -> ShardConfig:
+    """The ``ShardConfig`` that ``TrainingArguments`` ask for, on top of ``config`` (the user's, or
+    the default): ``bf16`` sets ``param_dtype=torch.bfloat16``; ``gradient_checkpointing``
+    checkpoints every one of the ``num_layers`` layers; ``fp16`` is refused."""
+    if getattr(args, "fp16", False):
+        raise ValueError("TrainingArguments(fp16=True) with yashard: yashard.hf trains in fp32 or bf16; set bf16=True "
+                         "instead")
+    changes = {}
+    if getattr(args, "bf16", False) and (config is None or config.param_dtype == torch.float32):
+        if config is not None:
+            raise ValueError("TrainingArguments(bf16=True) but shard_config has param_dtype=torch.float32, so it would "
+                             "compute in fp32: set ShardConfig(param_dtype=torch.bfloat16) or bf16=False")
+        changes["param_dtype"] = torch.bfloat16
+    if getattr(args, "gradient_checkpointing", False):
+        if config is not None and 0 < config.checkpoint_layers < num_layers:
+            pass  # the user chose which layers yashard checkpoints
+        else:
+            changes["checkpoint_layers"] = num_layers
+    base = config if config is not None else ShardConfig()
+    return base if not changes else ShardConfig(**{**_fields(base), **changes})
+
+
+def _fields(config: ShardConfig) -> dict:
+    import dataclasses
+
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
+
+
+def _num_layers(model) -> int:
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(getattr(text, "num_hidden_layers", 0) or 0)
+
+
+def _check_sharded(model: ShardedModel, args) -> None:
+    """A model sharded by the user must compute as the arguments ask."""
+    config = model.runtime.config
+    if getattr(args, "fp16", False):
+        raise ValueError("TrainingArguments(fp16=True) with yashard: set bf16=True instead")
+    if getattr(args, "bf16", False) and config.param_dtype == torch.float32:
+        raise ValueError("TrainingArguments(bf16=True) but the model was sharded with param_dtype=torch.float32, so it "
+                         "would compute in fp32: shard it with ShardConfig(param_dtype=torch.bfloat16), or pass the "
+                         "unsharded model and let the trainer shard it")
+    if getattr(args, "gradient_checkpointing", False) and config.checkpoint_layers == 0:
+        raise ValueError("TrainingArguments(gradient_checkpointing=True) but the model was sharded without activation "
+                         "checkpointing: shard it with ShardConfig(checkpoint_layers=<number of layers>), or pass the "
+                         "unsharded model and let the trainer shard it")
+
+
+class ShardedTrainerMixin:
+    """Put in front of ``transformers.Trainer`` (or a subclass): see the module docstring.
+
+    ``shard_config``: the ``ShardConfig`` for the model (by default derived from ``args``)."""
+
+    def __init__(self, model=None, args=None, *pos, shard_config: ShardConfig | None = None, **kwargs):
+        if args is None:
+            raise ValueError(f"{type(self).__name__} needs args (TrainingArguments): yashard reads bf16 and "
+                             "gradient_checkpointing from them")
+        if getattr(args, "push_to_hub", False):
+            raise ValueError("push_to_hub with yashard.hf: save_model() writes the HF folder; push it with "
+                             "huggingface_hub.upload_folder")
+        _ = args.device  # (sets up the process group, as Trainer does, before the model is sharded)
+        if isinstance(model, (str, os.PathLike)):
+            config = _hub_free_config(model, args, shard_config)
+            model = from_pretrained(model, config=config)
+        elif model is not None and not isinstance(model, ShardedModel):
+            model = shard(model, config=shard_config_from_args(args, shard_config, _num_layers(model)))
+        elif isinstance(model, ShardedModel):
+            if shard_config is not None:
+                raise ValueError("shard_config= was given with a model that is sharded already; shard an unsharded "
+                                 "model with it, or leave it out")
+            _check_sharded(model, args)
+        if getattr(args, "gradient_checkpointing", False):
+            logger.info("yashard: gradient_checkpointing=True is yashard's activation checkpointing "
+                        "(ShardConfig.checkpoint_layers=%d); HF's own is left off",
+                        model.runtime.config.checkpoint_layers)
+            args.gradient_checkpointing = False
+        self.shard_config = model.runtime.config if model is not None else None
+        super().__init__(model, args, *pos, **kwargs)
+        replace_fused_lm_head(self.model)
+
+    # --- Accelerate ----------------------------------------------------------------------
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        # the Accelerator Trainer built, with yashard's methods (see yashard.hf.accelerator)
+        self.accelerator.__class__ = Accelerator
+        self.accelerator.shard_config = getattr(self, "shard_config", None)
+
+    def _set_signature_columns_if_needed(self) -> None:
+        # Trainer keeps the dataset columns that the model's forward names; a sharded model's forward
+        # takes (*args, **kwargs), so ask the HF model's (a subclass's own rule, e.g. TRL's, stands)
+        own = super()._set_signature_columns_if_needed
+        if (self._signature_columns is None and isinstance(self.model, ShardedModel)
+                and getattr(own, "__func__", None) is transformers.Trainer._set_signature_columns_if_needed):
+            names = list(inspect.signature(self.model.module.forward).parameters)
+            self._signature_columns = names + sorted({"label", "label_ids", *self.label_names})
+        own()
+
+    def _move_model_to_device(self, model, device) -> None:
+        if not isinstance(model, ShardedModel):
+            super()._move_model_to_device(model, device)
+
+    # --- saving --------------------------------------------------------------------------
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Every rank calls it. In a checkpoint (``_internal_call``): the sharded checkpoint of the model
+        and, unless ``save_only_model``, the optimizer. Otherwise: an HF folder with the tokenizer."""
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if not isinstance(self.model, ShardedModel):
+            return super().save_model(output_dir, _internal_call)
+        if _internal_call:
+            optimizer = None if self.args.save_only_model or self.optimizer is None else raw_optimizer(self.optimizer)
+            save_checkpoint(os.path.join(output_dir, CHECKPOINT_DIR), self.model, optimizer)
+        else:
+            export_hf(self.model, output_dir)
+        if self.args.should_save:
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        # (the optimizer went into the sharded checkpoint with the model: save_model)
+        if self.args.should_save and self.lr_scheduler is not None:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    # --- loading -------------------------------------------------------------------------
+
+    def _sharded_checkpoint(self, checkpoint: str) -> str:
+        path = os.path.join(checkpoint, CHECKPOINT_DIR)
+        if not os.path.isdir(path):
+            raise FileNotFoundError(
+                f"{checkpoint} has no {CHECKPOINT_DIR}/ folder, so it is not a checkpoint of a yashard trainer: resume "
+                "from a checkpoint-N folder it wrote. To start from an HF folder's weights, pass the folder as the "
+                "model instead")
+        return path
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        model = self.model if model is None else model
+        if not isinstance(model, ShardedModel):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        load_checkpoint(self._sharded_checkpoint(resume_from_checkpoint), model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None or not isinstance(self.model, ShardedModel):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
+        if not os.path.isfile(scheduler):
+            return  # (save_only_model: the model alone, loaded already)
+        load_checkpoint(self._sharded_checkpoint(checkpoint), self.model, raw_optimizer(self.optimizer))
+        self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+    def _load_best_model(self) -> None:
+        if not isinstance(self.model, ShardedModel):
+            return super()._load_best_model()
+        logger.info("Loading best model from %s (score: %s).", self.state.best_model_checkpoint, self.state.best_metric)
+        load_checkpoint(self._sharded_checkpoint(self.state.best_model_checkpoint), self.model)
+
+
+def _hub_free_config(path, args, shard_config):
+    """The ``ShardConfig`` for a model given as a local folder (read by ``yashard.from_pretrained``)."""
+    config = transformers.AutoConfig.from_pretrained(os.fspath(path), local_files_only=True)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return shard_config_from_args(args, shard_config, int(getattr(text, "num_hidden_layers", 0) or 0))
+
+
+def replace_fused_lm_head(model) -> None:
+    """TRL's ``add_fused_lm_head`` makes ``model(..., fused_lm_head=True)`` run the backbone and read
+    ``lm_head.weight`` outside the lm_head's own forward, where a sharded model has no weights. Give
+    such a model a forward that returns the same per-token fields (``log_probs``, ``entropy``,
+    ``is_top1``, ``label_mask``, ``loss``) from the model's own logits: the lm_head runs as a unit."""
+    forward = model.__dict__.get("forward") if isinstance(model, ShardedModel) else None
+    if forward is None or getattr(forward, "__name__", "") != "_fused_forward":
+        return
+    logger.info("yashard: TRL's fused LM-head loss reads lm_head.weight outside the lm_head's forward, which a sharded "
+                "model cannot; the model's own forward computes the same per-token log-probabilities, entropy and "
+                "top-1 flags from its logits")
+    model.forward = types.MethodType(_logits_fused_forward, model)
+
+
+def _logits_fused_forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None,
+                          **kwargs):
+    if not fused_lm_head:
+        extra = {k: v for k, v in (("labels", labels), ("shift_labels", shift_labels),
+                                   ("num_items_in_batch", num_items_in_batch)) if v is not None}
+        return type(self).forward(self, *args, **kwargs, **extra)
+    from trl.trainer.utils import FusedCausalLMOutput
+
+    kwargs["use_cache"] = False
+    logits = type(self).forward(self, *args, **kwargs).logits
+    if shift_labels is None:
+        logits, labels = logits[:, :-1], labels[:, 1:]
+    else:
+        labels = shift_labels
+    mask = labels != -100
+    logits = logits.float()
+    log_z = torch.logsumexp(logits, dim=-1)
+    targets = labels.clamp(min=0)
+    log_probs = (logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_z).masked_fill(~mask, 0)
+    with torch.no_grad():
+        probs = torch.softmax(logits, dim=-1)
+        entropy = (log_z - (probs * logits).sum(-1)).masked_fill(~mask, 0)
+        is_top1 = (logits.argmax(-1) == targets) & mask
+    loss = -log_probs.sum() / (mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
+    return FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=entropy, log_sum_sq_probs=None,
+                               mean_logits=None, is_top1=is_top1, label_mask=mask, aux_loss=None)
+
+
+class Trainer(ShardedTrainerMixin, transformers.Trainer):
+    """``transformers.Trainer`` on yashard (see :class:`ShardedTrainerMixin`)."""
+
+
+_TRAINER_CLASSES: dict[type, type] = {}
+
+
+def sharded_trainer(cls: type) -> type:
+    """``cls`` (a subclass of ``transformers.Trainer``) with :class:`ShardedTrainerMixin` in front,
+    under the same name; built once per class."""
+    if not (isinstance(cls, type) and issubclass(cls, transformers.Trainer)):
+        raise TypeError(f"sharded_trainer expects a subclass of transformers.Trainer, got {cls!r}")
+    if issubclass(cls, ShardedTrainerMixin):
+        return cls
+    if cls not in _TRAINER_CLASSES:
+        _TRAINER_CLASSES[cls] = type(cls.__name__, (ShardedTrainerMixin, cls), {"__module__": __name__,
+                                                                                "__doc__": cls.__doc__})
+    return _TRAINER_CLASSES[cls]

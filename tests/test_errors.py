@@ -1223,16 +1223,26 @@ def test_a_forward_that_raised_leaves_no_forward_open(pg):
     _loss(sm).backward()
 
 
-def test_a_parameter_added_after_shard_is_refused_at_the_step(pg):
+def test_a_parameter_added_after_shard_is_refused_at_the_next_forward_or_step(pg):
+    """A module swapped in after shard() (get_peft_model, say) is refused by the next grad-enabled
+    forward, and by the step when it came after the backward."""
     sm = yashard.shard(build())
     opt = torch.optim.AdamW(sm.parameters(), lr=1e-3)
     _loss(sm).backward()
     opt.step()  # nothing added yet: steps
     mlp = sm.module.model.layers[0].mlp
+    original = mlp.up_proj
     mlp.up_proj = nn.Linear(mlp.up_proj.in_features, mlp.up_proj.out_features, bias=False)
+    added = (r"model\.layers\.0\.mlp\.up_proj\.weight \(shape \(\d+, \d+\)\) is a parameter of the sharded model that "
+             r"yashard\.shard did not shard: it was added afterwards \(peft's get_peft_model, a module replaced or "
+             r"appended\?\).*Apply it before sharding")
+    with pytest.raises(RuntimeError, match=added):
+        _loss(sm)
+    mlp.up_proj = original
+    opt.zero_grad()
     _loss(sm).backward()
-    with pytest.raises(RuntimeError, match=r"model\.layers\.0\.mlp\.up_proj\.weight \(shape \(\d+, \d+\)\) is a parameter "
-                                           r"of the sharded model that yashard\.shard did not shard"):
+    mlp.up_proj = nn.Linear(mlp.up_proj.in_features, mlp.up_proj.out_features, bias=False)
+    with pytest.raises(RuntimeError, match=added):
         opt.step()
 
 
@@ -1246,9 +1256,9 @@ def test_a_parameter_put_into_a_module_dict_after_a_step_is_refused(pg):
         _loss(sm).backward()
         opt.step()  # nothing added yet: steps (the second through the snapshot)
         opt.zero_grad()
+    _loss(sm).backward()
     attn = sm.module.model.layers[1].self_attn
     attn._parameters["extra"] = nn.Parameter(torch.zeros(3))
-    _loss(sm).backward()
     with pytest.raises(RuntimeError, match=r"model\.layers\.1\.self_attn\.extra \(shape \(3,\)\) is a parameter "
                                            r"of the sharded model that yashard\.shard did not shard"):
         opt.step()

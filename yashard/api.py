@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .collectives import Comm
 from .config import ShardConfig, low_precision_dtype
+from .partition import base_model_of
 from .patch.spec import resolve_spec
 from .runtime import Runtime
 from .sharded_model import ShardedModel
@@ -63,6 +64,11 @@ def shard(model: nn.Module, *, config: ShardConfig | None = None, process_group=
     * a model with real weights: with ``config.sync_module_states`` (the default) rank 0's weights
       are broadcast first, one unit at a time.
 
+    A ``peft.PeftModel`` (LoRA; apply ``get_peft_model`` before sharding) is sharded as its HF base
+    model, and the returned model calls the PEFT model. The trainable adapter weights form one unit
+    of their own, the adapter group, gathered and reduced like the norm group; the frozen base
+    weights get no gradient buffer and no optimizer state.
+
     The original ``nn.Parameter`` objects are removed from ``model``: build the optimizer from the
     returned model (``param_groups`` or ``parameters()``) afterwards. The memory plan is logged at
     INFO level on rank 0.
@@ -91,7 +97,8 @@ def shard(model: nn.Module, *, config: ShardConfig | None = None, process_group=
     comm = Comm(process_group, shard_group_size=config.shard_group_size,
                 secondary_group_size=config.secondary_group_size, timeout=config.collective_timeout, mesh=mesh)
     comm.log.track = config.debug_collectives
-    spec = resolve_spec(model)
+    hf = base_model_of(model)  # a PEFT model's HF model: its modules are sharded, the PEFT model is called
+    spec = resolve_spec(hf)
     device = _pick_device(config, comm)
     comm.device_type = device.type
     if mesh is not None and mesh.device_type != device.type:
@@ -111,7 +118,7 @@ def shard(model: nn.Module, *, config: ShardConfig | None = None, process_group=
             f"the CPU device needs a gloo process group, but the group's backend is {comm.backend}: "
             "init the group with backend='gloo' (or 'cpu:gloo,cuda:nccl'), or pass a CUDA ShardConfig(device=...)"
         )
-    runtime = Runtime(model, spec, config, comm, device, weights=os.fspath(weights) if weights is not None else None)
+    runtime = Runtime(hf, spec, config, comm, device, weights=os.fspath(weights) if weights is not None else None)
     wrapped = ShardedModel(model, runtime)
     if comm.rank == 0:
         logger.info("%s", runtime.memory_plan())

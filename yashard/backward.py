@@ -143,8 +143,8 @@ class BackwardSchedule:
         self.gathers.ensure(unit)
         if views is not None:  # (an activation-checkpointed layer) before the recompute reads them
             unit.restore_backward_views(views)
-            if self.units.small is not None:
-                self.units.small.restore_backward_views()
+            if self.norm_group is not None:  # (the resident groups' views: the recompute reads them too)
+                self.norm_group.restore_backward_views()
         self.gathers.prefetch(self._next_backward(unit))  # R5: one unit ahead
 
     def _next_backward(self, unit: Unit) -> Unit | None:

@@ -103,12 +103,19 @@ def make_slots(sizes: dict[str, int], grad_sizes: dict[str, int], world: int, co
 class UnitSet:
     """The units of one model, in the orders the schedules walk them."""
 
-    units: list[Unit]          # forward order, then the norm group (``unit.order`` indexes this)
+    units: list[Unit]          # forward order, then the resident groups (``unit.order`` indexes this)
     forward_order: list[Unit]  # embedding, layers, lm_head
     layers: list[Unit]
     embed: Unit | None
     lm_head: Unit | None
     small: Unit | None         # the norm group
+    adapters: Unit | None = None  # the adapter group (PEFT adapters' trainable weights)
+
+    @property
+    def resident(self) -> list[Unit]:
+        """The units gathered at the forward's start and reduced at the backward's end (kind
+        ``"small"``): the adapter group, then the norm group."""
+        return [u for u in (self.adapters, self.small) if u is not None]
 
 
 def make_units(groups: dict[str, list], layouts: dict[str, FlatLayout], slots: dict[str, Slot],
@@ -121,14 +128,14 @@ def make_units(groups: dict[str, list], layouts: dict[str, FlatLayout], slots: d
     removed: dict[nn.Parameter, str] = {}
     units: list[Unit] = []
     layers: list[Unit] = []
-    embed = lm_head = small = None
+    embed = lm_head = small = adapters = None
     for key, members in groups.items():
         layout = layouts[key]
         slot = slots[slot_of[key]]
         if key.startswith("layer_"):
             idx, kind = int(key.split("_")[1]), "layer"
         else:
-            idx, kind = -1, "small" if key == "small" else "outer"
+            idx, kind = -1, "small" if key in ("small", "adapters") else "outer"  # (resident groups: "small")
         master = MasterShard(masters.pop(key))
         unit = Unit(
             state, shard_rank, key, kind, idx, layout,
@@ -136,7 +143,7 @@ def make_units(groups: dict[str, list], layouts: dict[str, FlatLayout], slots: d
             fqns=[fqns for _, _, fqns in members],
             slot=slot, master=master, trainable=[p.requires_grad for p, _, _ in members],
         )
-        unit.name_in_traces("norm group" if kind == "small" else module_name(spec, unit))
+        unit.name_in_traces({"small": "norm group", "adapters": "adapter group"}.get(key) or module_name(spec, unit))
         if config.param_dtype != torch.float32:
             unit.gather_src = torch.empty(master.shape, dtype=config.param_dtype, device=device)
         if direct:  # (an alias: the views' in-place writes move its own version counter)
@@ -154,13 +161,15 @@ def make_units(groups: dict[str, list], layouts: dict[str, FlatLayout], slots: d
             layers.append(unit)
         elif key == "small":
             small = unit
+        elif key == "adapters":
+            adapters = unit
         elif key == "embed":
             embed = unit
         else:
             lm_head = unit
     layers.sort(key=lambda u: u.index)
     order = ([embed] if embed else []) + layers + ([lm_head] if lm_head else [])
-    units = order + ([small] if small else [])
+    units = order + [u for u in (adapters, small) if u is not None]
     for a, b in zip(order, order[1:] + [None]):
         a.next_forward = b
     sharing = collections.Counter(u.slot.name for u in units)
@@ -174,14 +183,15 @@ def make_units(groups: dict[str, list], layouts: dict[str, FlatLayout], slots: d
         # the recompute of a checkpointed layer reads its own views and the norm group's: those
         # of the grad-enabled forward it belongs to are put back when its backward starts
         u.keep_backward_views = checkpointed or (u.kind == "small" and config.checkpoint_layers > 0)
-    return UnitSet(units, order, layers, embed, lm_head, small), removed
+    return UnitSet(units, order, layers, embed, lm_head, small, adapters), removed
 
 
 def module_name(spec: ModelSpec, unit: Unit) -> str:
     """The HF path of ``unit`` ("model.layers.3", "lm_head", ...), for messages."""
     if unit.kind == "layer":
         return f"{spec.layers}.{unit.index}"
-    return {"embed": spec.embed, "lm_head": spec.lm_head}.get(unit.name, "the norm group")
+    return {"embed": spec.embed, "lm_head": spec.lm_head, "adapters": "the adapter group"}.get(unit.name,
+                                                                                            "the norm group")
 
 
 _MARKED_CLASSES: dict[type, type] = {}

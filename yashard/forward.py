@@ -104,9 +104,7 @@ class ForwardSchedule:
         state.fwd_cursor = 0
         state.bwd_last_layer = None
         Gathers.forget_stale(units.units)  # masters changed (optimizer step, load) or the slot was reused
-        if self.norm_group is not None:
-            if grad:
-                units.small.fwd_id = state.grad_fwd_id
+        if self.norm_group is not None:  # (the resident groups: the norm group and the adapter group)
             self.norm_group.begin_forward(grad)
         if units.forward_order:
             self.gathers.prefetch(units.forward_order[0])

@@ -510,7 +510,7 @@ def _nonfinite_message(rt, fwd: torch.Tensor, grad: torch.Tensor) -> str:
         parts.append(f"the forward output of {rt.module_name(u)} was the first non-finite one (on "
                      f"{ranks(fwd[:, u.order])})")
     backward = ([rt.lm_head] if rt.lm_head else []) + rt.layers[::-1] + ([rt.embed] if rt.embed else [])
-    backward += [rt.small] if rt.small else []
+    backward += rt.resident  # (the adapter group, then the norm group)
     bad_grad = [u for u in backward if grad[:, u.order].any()]
     if bad_grad:
         names = ", ".join(rt.module_name(u) for u in bad_grad[:4]) + (", ..." if len(bad_grad) > 4 else "")

@@ -123,9 +123,10 @@ class NewParameterCheck:
         if name is not None:
             raise RuntimeError(
                 f"{name} (shape {tuple(p.shape)}) is a parameter of the sharded model that yashard.shard did not shard: "
-                "it was added afterwards (a module replaced or appended?), so its gradient is never reduced across "
-                "ranks and the ranks' copies drift apart. Make the change before yashard.shard (shard the changed "
-                "model), or freeze it as a buffer"
+                "it was added afterwards (peft's get_peft_model, a module replaced or appended?), so its gradient is "
+                "never reduced across ranks and the ranks' copies drift apart. Apply it before sharding: "
+                "yashard.shard(get_peft_model(model, lora_config)), or make the change on the unsharded model and "
+                "shard that; or freeze it as a buffer"
             )
         self._structure = [(m, tuple(m._parameters.values()), tuple(m._modules.values())) for m in self.model.modules()]
 

@@ -26,10 +26,12 @@ from typing import Sequence
 def slot_assignment(units: Sequence[str], alternate: bool) -> dict[str, str]:
     """Which slot each unit owns in turn, layers first (so the slots are listed layers first).
 
-    ``units`` are unit keys: ``"layer_<i>"``, ``"embed"``, ``"lm_head"``, ``"small"`` (the norm
-    group). ``alternate`` (``ShardConfig.reshard_after_forward=True``): even and odd decoder layers
-    share ``"layer_even"`` / ``"layer_odd"``, the embedding and the lm_head share ``"outer"``, the
-    norm group has ``"small"``. Otherwise every unit has a slot of its own, named after it."""
+    ``units`` are unit keys: ``"layer_<i>"``, ``"embed"``, ``"lm_head"``, ``"adapters"`` (the
+    adapter group), ``"small"`` (the norm group). ``alternate``
+    (``ShardConfig.reshard_after_forward=True``): even and odd decoder layers share ``"layer_even"``
+    / ``"layer_odd"``, the embedding and the lm_head share ``"outer"``, the adapter group and the
+    norm group have a slot of their own, named after them. Otherwise every unit has a slot of its
+    own, named after it."""
     ordered = [k for k in units if k.startswith("layer_")] + [k for k in units if not k.startswith("layer_")]
     if not alternate:
         return {k: k for k in ordered}
@@ -38,7 +40,7 @@ def slot_assignment(units: Sequence[str], alternate: bool) -> dict[str, str]:
         if k.startswith("layer_"):
             out[k] = "layer_even" if int(k.split("_")[1]) % 2 == 0 else "layer_odd"
         else:
-            out[k] = "small" if k == "small" else "outer"
+            out[k] = k if k in ("small", "adapters") else "outer"
     return out
 
 

@@ -33,14 +33,17 @@ class MemoryPlan:
     """Bytes held per rank by yashard, by buffer; ``total_bytes`` is everything yashard allocates.
 
     Optimizer state is held by the optimizer, not by yashard; ``adamw_bytes`` states what
-    ``torch.optim.AdamW`` will add (two fp32 moments per element of every master with a gradient
-    buffer: units whose parameters were all frozen at ``shard()`` have no state).
+    ``torch.optim.AdamW`` will add: ``8 * T/W``, two fp32 moments per element of every master with a
+    gradient buffer (units whose parameters were all frozen at ``shard()`` have no state). With PEFT
+    adapters the decoder layers are frozen units, and ``T/W`` is the adapter group's shard, plus the
+    norm group's when a 1-D parameter trains. ``adamw_formula`` states it with the numbers.
     """
 
     rows: tuple[MemoryRow, ...]
     world: int
     adamw_bytes: int
     formula: str = field(default="")
+    adamw_formula: str = field(default="")
 
     @property
     def total_bytes(self) -> int:
@@ -51,7 +54,7 @@ class MemoryPlan:
         lines = [f"yashard memory plan (per rank, world size {self.world})"]
         lines += [f"  {r.name:<{w}}  {r.bytes / 2**20:10.3f} MiB  {r.formula}" for r in self.rows]
         lines.append(f"  {'total':<{w}}  {self.total_bytes / 2**20:10.3f} MiB  {self.formula}")
-        lines.append(f"  (+ AdamW state {self.adamw_bytes / 2**20:.3f} MiB, held by the optimizer)")
+        lines.append(f"  (+ AdamW state {self.adamw_bytes / 2**20:.3f} MiB, held by the optimizer: {self.adamw_formula})")
         return "\n".join(lines)
 
 
@@ -160,4 +163,6 @@ def plan_memory(inp: MemoryInputs) -> MemoryPlan:
         slots + f"{f' + max {big}/W*{g}' if out else ''} + {shards}"
         + extra + (" + qwZ codes" if cfg.quantized_weights else "") + (" + comm hook scratch" if inp.workspaces else "")
     )
-    return MemoryPlan(tuple(rows), w, adamw_bytes=8 * nt, formula=formula)
+    adamw = (f"8 * T/W = 8 * {nt}, two fp32 moments per element of the trained shards" if nt != n else
+             f"8 * N/W = 8 * {n}, two fp32 moments per master element")
+    return MemoryPlan(tuple(rows), w, adamw_bytes=8 * nt, formula=formula, adamw_formula=adamw)

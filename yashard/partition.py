@@ -1,9 +1,11 @@
 """Which unit each parameter belongs to, checked before anything in the model is changed.
 
 :func:`partition` assigns every parameter of the HF model to exactly one unit: the embedding, one
-decoder layer, the lm_head, or the norm group of all 1-D parameters (tied input/output embeddings
-are one parameter of the embedding unit). :func:`validate` refuses models yashard cannot shard as
-given, and :func:`check_same_model` refuses ranks that shard different models.
+decoder layer, the lm_head, the norm group of all 1-D parameters, or the adapter group of the
+trainable PEFT adapter weights (tied input/output embeddings are one parameter of the embedding
+unit). :func:`validate` refuses models yashard cannot shard as given, and :func:`check_same_model`
+refuses ranks that shard different models. :func:`base_model_of` finds the HF model inside a PEFT
+model.
 """
 
 from __future__ import annotations
@@ -65,8 +67,41 @@ def other_sharding(model: nn.Module) -> str | None:
     return None
 
 
+def base_model_of(model: nn.Module) -> nn.Module:
+    """The HF model a PEFT model wraps (``peft.PeftModel``: its ``get_base_model()``, one of its
+    submodules); any other model itself."""
+    get = getattr(type(model), "get_base_model", None)
+    if not callable(get) or not type(model).__module__.startswith("peft."):
+        return model
+    base = model.get_base_model()
+    if base is model or not any(m is base for m in model.modules()):
+        return model
+    return base
+
+
+def adapter_weights(model: nn.Module) -> set[int]:
+    """``id()`` of every parameter held by a PEFT tuner layer's adapter modules (``lora_A``,
+    ``lora_B``, ``lora_embedding_A``, ...): a module whose class lists them in
+    ``adapter_layer_names``, as peft's ``BaseTunerLayer`` does. Only the names are read: peft is
+    not imported."""
+    out: set[int] = set()
+    for module in model.modules():
+        names = getattr(type(module), "adapter_layer_names", None)
+        if not isinstance(names, tuple):
+            continue
+        for name in names:
+            sub = module._modules.get(name)
+            if sub is not None:
+                out.update(id(p) for p in sub.parameters())
+    return out
+
+
 def partition(model: nn.Module, spec: ModelSpec) -> dict[str, list]:
-    """Assign every parameter to exactly one unit; returns ``{unit_key: [(param, locs, fqns)]}``."""
+    """Assign every parameter to exactly one unit; returns ``{unit_key: [(param, locs, fqns)]}``.
+
+    The trainable adapter weights of PEFT tuner layers with two or more dimensions form the unit
+    ``"adapters"``, gathered and reduced like the norm group: the decoder layers then hold only
+    frozen weights, with no gradient buffer, reduction or optimizer state."""
     layers = get_path(model, spec.layers)
     owners: list[tuple[str, nn.Module]] = [("embed", get_path(model, spec.embed))]
     owners += [(f"layer_{i}", layer) for i, layer in enumerate(layers)]
@@ -95,11 +130,16 @@ def partition(model: nn.Module, spec: ModelSpec) -> dict[str, list]:
     for key, root in owners:
         for m in root.modules():
             owner_of_module.setdefault(id(m), key)
+    adapters = adapter_weights(model)
     groups: dict[str, list] = {key: [] for key, _ in owners}
+    groups["adapters"] = []
     groups["small"] = []
     for p, locs, fqns in locations.values():
         if is_small_param(p):
             groups["small"].append((p, locs, fqns))
+            continue
+        if p.requires_grad and id(p) in adapters:
+            groups["adapters"].append((p, locs, fqns))
             continue
         keys = {owner_of_module.get(id(m)) for m, _ in locs}
         keys.discard(None)

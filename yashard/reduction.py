@@ -62,7 +62,7 @@ class Reducer:
         n = unit.layout.shard_numel
         if self._last is not None:
             self._last.finish()  # R6: it may still be reading the shared output buffer
-        bucket = GradBucket(self.bucket_index, unit.name, unit.kind == "small", self.comm, slot.name,
+        bucket = GradBucket(self.bucket_index, unit.name, unit.name == "small", self.comm, slot.name,
                             unit.flat_grads(), self.reduce_output, self.workspace, n)
         self.bucket_index += 1
         what = What(self.op_name, unit.name, self.state.phase(), self.hint)

@@ -72,6 +72,8 @@ class Runtime:
         self.layers: list[Unit] = unit_set.layers
         self.forward_order: list[Unit] = unit_set.forward_order
         self.embed, self.lm_head, self.small = unit_set.embed, unit_set.lm_head, unit_set.small
+        self.adapters = unit_set.adapters     # the adapter group (PEFT adapters), or None
+        self.resident: list[Unit] = unit_set.resident  # gathered per forward, reduced per backward
         self.reducer.plan_workspaces(self.units)  # the default hook's: a receive buffer on gloo over > 2 ranks
         self.comm_hooks = CommHookRegistry(self.reducer, comm, config, self.state, self.streams, self.units,
                                            self.slots, grad_sizes, device)
@@ -80,8 +82,8 @@ class Runtime:
         self.norms = GradNorms(self.units, comm, device)
         self.backward = BackwardSchedule(spec, self.state, unit_set, self.slots, self.streams, self.gathers,
                                          self.reducer, self.sums, self.drain)
-        self.norm_group = (NormGroup(self.small, self.gathers.prefetch, self.backward.on_unit_grads_complete)
-                           if self.small else None)
+        self.norm_group = (NormGroup(self.resident, self.gathers.prefetch, self.backward.on_unit_grads_complete)
+                           if self.resident else None)
         self.backward.norm_group = self.norm_group
         for u in self.units:
             u.backward = self.backward
@@ -115,6 +117,7 @@ class Runtime:
         integrity.check_master_storage(self.units)
         if grad:
             integrity.check_masters(self.units)
+            self.new_parameters()  # (get_peft_model or a module swap after shard(): never reduced)
         if self.state.in_backward:
             self.backward.recover_from_failed_backward()
         self.drain()
@@ -182,11 +185,13 @@ class Runtime:
         Gathers.forget_stale(self.units)  # (a unit whose masters the step did not change keeps its weights)
         stale = [u for u in self.forward_order  # (a direct slot shows the shard itself: never stale)
                  if u.gathered is None and u.views_until is None and not u.slot.direct]
-        if self.small is not None:
-            self.gathers.prefetch(self.small)
-            # The norm weights stay readable between forwards (model.model.norm.weight): they show
-            # the stepped values once this small gather is waited for (CUDA: the compute stream waits).
-            self.small.gathered.wait()
+        for u in self.resident:
+            self.gathers.prefetch(u)
+        for u in self.resident:
+            # The norm weights stay readable between forwards (model.model.norm.weight), and so do
+            # the adapters: they show the stepped values once these small gathers are waited for
+            # (CUDA: the compute stream waits).
+            u.gathered.wait()
         free = set()  # every slot is free now: gather the first unit of each, in forward order
         with torch.enable_grad():  # gathers for a training forward: hpZ keeps its secondary slices
             for u in self.forward_order:

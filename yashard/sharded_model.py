@@ -39,7 +39,7 @@ def _refuse_state_dict(module, prefix, keep_vars):
         "one rank's piece (and the HF module itself holds no parameters). Save with yashard.save_checkpoint(path, "
         "model, optimizer) and restore with yashard.load_checkpoint (crash-safe; loads at any world size), use "
         "model.sharded_state_dict() with torch.distributed.checkpoint (dcp.save / dcp.load), "
-        + _FULL_TENSORS
+        + _FULL_TENSORS + "; a PEFT adapter: yashard.save_adapter(model, path)"
     )
 
 
@@ -302,7 +302,7 @@ class ShardedModel(nn.Module):
         # param_groups() does
         self.shards = nn.ParameterDict({name.removeprefix("shards."): master for name, master in _shard_names(runtime.units)})
         object.__setattr__(self, "_runtime", runtime)
-        _answer_device_and_dtype(module, runtime)
+        _answer_device_and_dtype(runtime.model, runtime)  # (the HF model: a PEFT model's base model)
         # module too (HF's save_pretrained reads its state_dict), and every submodule that lost a
         # parameter to a shard or holds one that did (model.model, a layer, lm_head): theirs would
         # silently leave those parameters out

@@ -64,6 +64,7 @@ def plan(model_or_config, *, world_size: int, config: ShardConfig | None = None,
 def memory_inputs(model: nn.Module, config: ShardConfig, topo: Topology, backend: str) -> MemoryInputs:
     """What the plan is a formula of, from the model's shapes: the slots and units ``shard()`` would
     build on ``topo`` (no tensor is allocated), and the default comm hook's workspace."""
+    model = partition.base_model_of(model)  # (a PEFT model: its HF model, as shard() takes it)
     spec = resolve_spec(model)
     partition.validate(model, spec, config)
     groups = partition.partition(model, spec)

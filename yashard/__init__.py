@@ -8,6 +8,7 @@ from .errors import CollectiveOrderError, NonFiniteError, OrderError
 from .grad_scaler import ShardedGradScaler
 from .hf_export import export_hf
 from .memory import MemoryPlan
+from .peft_adapter import save_adapter
 from .plan import plan
 from .sharded_model import ShardedModel
 from .stub import ShardedStub
@@ -15,4 +16,4 @@ from .version import __version__
 
 __all__ = ["shard", "from_pretrained", "plan", "ShardConfig", "ShardedModel", "MemoryPlan", "OrderError",
            "save_checkpoint", "load_checkpoint", "export_hf", "CheckpointError", "CollectiveError",
-           "CollectiveOrderError", "NonFiniteError", "ShardedGradScaler", "ShardedStub"]
+           "CollectiveOrderError", "NonFiniteError", "ShardedGradScaler", "ShardedStub", "save_adapter"]

@@ -53,6 +53,7 @@ import torch
 from ._io import StreamedSafetensors, exchange_dirs, fsync_dir, fsync_file
 from .checkpoint import CheckpointError, agree
 from .hf_names import stored_shapes, to_stored
+from .peft_adapter import check_plain_names, gather_units, lora_merge_plan
 from .saved_state import persistent_buffers
 from .sharded_model import runtime_of
 
@@ -205,6 +206,11 @@ def export_hf(model, path: str | os.PathLike, *, dtype: torch.dtype | None = Non
     input embedding's name. ``dtype`` (float32 by default, or bfloat16 / float16) casts every tensor
     and is written to the config. Atomic (module docstring): ``path`` holds either the previous
     folder or the complete new one. Returns ``path``.
+
+    A PEFT LoRA model is written as the plain HF model, its active adapters merged into the base
+    weights (``W + B @ A * scaling``, as peft's ``merge_and_unload``). PEFT layers it cannot merge
+    (DoRA, LoRA on embeddings, ``modules_to_save``) are refused: save those with
+    :func:`yashard.save_adapter`.
     """
     rt = runtime_of(model, "export_hf")
     comm = rt.comm
@@ -216,10 +222,23 @@ def export_hf(model, path: str | os.PathLike, *, dtype: torch.dtype | None = Non
     units = rt.units
     emb = _input_embedding_name(hf)
     itemsize = torch.empty((), dtype=dtype).element_size()
+    # A PEFT model's HF model is written as the plain HF model: base weights under their HF names
+    # with the LoRA adapters merged in, no adapter weight (the adapters are gathered first)
+    lora = lora_merge_plan(hf, [f for u in units for fqns in u.fqns for f in fqns])
+    adapters = {}
+    if lora is not None:
+        needed = lora.needed
+        adapters = gather_units(rt, [u for u in units if any(f in needed for fqns in u.fqns for f in fqns)])
+    # Per unit, (stored name, entry) of each tensor it stores
+    kept = [[(lora.stored_name(nm) if lora else nm, e) for nm, e in zip(stored_names(u.fqns, emb), u.layout.entries)]
+            for u in units]
+    kept = [[(nm, e) for nm, e in unit_kept if nm is not None] for unit_kept in kept]
     # (stored name, shape) of every tensor in unit order, as checkpoints of the model store them (a
     # MoE layer's fused experts split per expert: hf_names), then the persistent buffers, and the
     # file each goes to
-    held = [[(nm, e.shape) for nm, e in zip(stored_names(u.fqns, emb), u.layout.entries)] for u in units]
+    held = [[(nm, e.shape) for nm, e in unit_kept] for unit_kept in kept]
+    if lora is not None:
+        check_plain_names(nm for unit_held in held for nm, _ in unit_held)
     per_unit = [stored_shapes(hf, h) for h in held]
     tensors = [t for unit in per_unit for t in unit]
     buffers = list(to_stored(hf, dict(persistent_buffers(hf))).items())
@@ -266,7 +285,9 @@ def export_hf(model, path: str | os.PathLike, *, dtype: torch.dtype | None = Non
         writer = None
 
     with torch.no_grad():
-        for u, unit_held, unit_stored in zip(units, held, per_unit):
+        for u, unit_kept, unit_stored in zip(units, kept, per_unit):
+            if not unit_kept:  # (the adapter group, merged into the base weights: nothing of it is stored)
+                continue
             flat = torch.empty(u.layout.padded, dtype=torch.float32, device=u.master.device)
             comm.wait(comm.all_gather(flat, u.master.detach().contiguous(), u.name), f"all_gather of {u.name} (export_hf)", host=True)
             mine = range(at, at + len(unit_stored))
@@ -274,8 +295,10 @@ def export_hf(model, path: str | os.PathLike, *, dtype: torch.dtype | None = Non
             if comm.rank != 0 or err is not None:
                 continue  # keep joining the gathers: every rank issues the same collectives
             try:
-                stored = to_stored(hf, {nm: flat[e.offset:e.end].view(e.shape)
-                                                 for (nm, _), e in zip(unit_held, u.layout.entries)})
+                held_now = {nm: flat[e.offset:e.end].view(e.shape) for nm, e in unit_kept}
+                if lora is not None:
+                    held_now = {nm: lora.merged(nm, t, adapters) for nm, t in held_now.items()}
+                stored = to_stored(hf, held_now)
                 for i in mine:
                     nm, _ = tensors[i]
                     put(i, nm, stored[nm].to(dtype).contiguous())

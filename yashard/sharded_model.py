@@ -97,8 +97,9 @@ def _refuse_dsd(self):
 def _shard_names(units) -> list[tuple[str, nn.Parameter]]:
     """``("shards.<unit>", master)`` per unit; the norm group (every 1-D parameter) is
     ``shards.norms_and_biases``, so name-based no-decay rules (HF Trainer's "bias" / "norm"
-    patterns) group the shards as ``param_groups()`` does."""
-    return [(f"shards.{'norms_and_biases' if u.kind == 'small' else u.name}", u.master) for u in units]
+    patterns) group the shards as ``param_groups()`` does (the adapter group, ``shards.adapters``,
+    decays)."""
+    return [(f"shards.{'norms_and_biases' if u.name == 'small' else u.name}", u.master) for u in units]
 
 
 def _live_runtime(module: nn.Module) -> Runtime:

@@ -84,7 +84,7 @@ class Unit:
         # What the autograd Functions' moments are handed to (the backward schedule: set by the runtime).
         self.backward: BackwardHooks | None = None
         self.name = name
-        self.kind = kind            # "layer" | "outer" | "small"
+        self.kind = kind            # "layer" | "outer" | "small" (a resident group: the norm or adapter group)
         self.index = index          # layer index, -1 for non-layers
         self.layout = layout
         self.locations = locations  # per entry: every (module, attribute) that holds the parameter

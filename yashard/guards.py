@@ -222,8 +222,9 @@ def _wrap_ddp() -> None:
                 "parameters are flat shards, different on every rank, so DDP would overwrite every rank's shards "
                 "with rank 0's when it is built and average gradients of different shards. yashard already reduces "
                 "the gradients over the data-parallel group (across nodes too: hybrid sharding, "
-                "ShardConfig(shard_group_size=...)). Train the sharded model without DDP, in a loop of your own "
-                "(frameworks that wrap the model in DDP themselves, Accelerate and HF Trainer, are not supported)")
+                "ShardConfig(shard_group_size=...)). Train the sharded model without DDP: for HF Trainer, TRL and Accelerate, "
+                "use yashard.hf.Trainer, yashard.hf.SFTTrainer (or yashard.hf.sharded_trainer(cls)) and "
+                "yashard.hf.Accelerator, which shard the model and never wrap it in DDP")
         torch_init(self, module, *args, **kwargs)
 
     __init__.__wrapped__ = torch_init

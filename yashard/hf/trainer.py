@@ -6,7 +6,7 @@ one for another subclass). The user's ``TrainingArguments`` stay as they are. Wh
 
 * **Shards the model** given as an object or a folder path, with the ``ShardConfig`` given as
   ``shard_config=`` or derived from the arguments: ``bf16=True`` computes in bf16,
-  ``gradient_checkpointing=True`` checkpoints every layer (``ShardConfig.checkpoint_layers``,
+  ``gradient_checkpointing=True`` (or ``activation_checkpointing``) checkpoints every layer (``ShardConfig.checkpoint_layers``,
   yashard's own; HF's is off then). A model sharded already is checked against them.
 * **Accelerate**: the trainer's accelerator is :class:`yashard.hf.Accelerator`: no DDP, gradient
   accumulation in yashard's default mode, the global gradient norm, no device move.
@@ -54,13 +54,37 @@ def shard_config_from_args(args, config: ShardConfig | None, num_layers: int) ->
             raise ValueError("TrainingArguments(bf16=True) but shard_config has param_dtype=torch.float32, so it would "
                              "compute in fp32: set ShardConfig(param_dtype=torch.bfloat16) or bf16=False")
         changes["param_dtype"] = torch.bfloat16
-    if getattr(args, "gradient_checkpointing", False):
+    if checkpointing(args):
         if config is not None and 0 < config.checkpoint_layers < num_layers:
             pass  # the user chose which layers yashard checkpoints
         else:
             changes["checkpoint_layers"] = num_layers
     base = config if config is not None else ShardConfig()
     return base if not changes else ShardConfig(**{**_fields(base), **changes})
+
+
+_CHECKPOINTING = ("activation_checkpointing", "gradient_checkpointing")  # (the second: its name before transformers 5.x)
+
+
+def checkpointing(args) -> bool:
+    """Whether ``args`` ask for activation checkpointing (either name); refuses the options yashard's
+    checkpointing has no equivalent for."""
+    if not any(getattr(args, name, False) for name in _CHECKPOINTING):
+        return False
+    kwargs = {**(getattr(args, "gradient_checkpointing_kwargs", None) or {}),
+              **(getattr(args, "activation_checkpointing_kwargs", None) or {})}
+    if kwargs.get("every_n_layers", 1) != 1 or kwargs.get("offload", False):
+        raise ValueError("activation checkpointing with every_n_layers or offload: yashard checkpoints the first N "
+                         "layers in place (ShardConfig(checkpoint_layers=N)); drop those keys and pass "
+                         "shard_config=ShardConfig(checkpoint_layers=N)")
+    return True
+
+
+def checkpointing_off(args) -> None:
+    """Turn HF's activation checkpointing off in ``args`` (yashard's runs instead)."""
+    for name in _CHECKPOINTING:
+        if hasattr(args, name):
+            setattr(args, name, False)
 
 
 def _fields(config: ShardConfig) -> dict:
@@ -84,7 +108,7 @@ def _check_sharded(model: ShardedModel, args) -> None:
         raise ValueError("TrainingArguments(bf16=True) but the model was sharded with param_dtype=torch.float32, so it "
                          "would compute in fp32: shard it with ShardConfig(param_dtype=torch.bfloat16), or pass the "
                          "unsharded model and let the trainer shard it")
-    if getattr(args, "gradient_checkpointing", False) and config.checkpoint_layers == 0:
+    if checkpointing(args) and config.checkpoint_layers == 0:
         raise ValueError("TrainingArguments(gradient_checkpointing=True) but the model was sharded without activation "
                          "checkpointing: shard it with ShardConfig(checkpoint_layers=<number of layers>), or pass the "
                          "unsharded model and let the trainer shard it")
@@ -113,13 +137,20 @@ class ShardedTrainerMixin:
                 raise ValueError("shard_config= was given with a model that is sharded already; shard an unsharded "
                                  "model with it, or leave it out")
             _check_sharded(model, args)
-        if getattr(args, "gradient_checkpointing", False):
-            logger.info("yashard: gradient_checkpointing=True is yashard's activation checkpointing "
-                        "(ShardConfig.checkpoint_layers=%d); HF's own is left off",
-                        model.runtime.config.checkpoint_layers)
-            args.gradient_checkpointing = False
+        if checkpointing(args):
+            logger.info("yashard: activation checkpointing is yashard's own (ShardConfig.checkpoint_layers=%d); "
+                        "HF's is left off", model.runtime.config.checkpoint_layers)
+            checkpointing_off(args)
         self.shard_config = model.runtime.config if model is not None else None
         super().__init__(model, args, *pos, **kwargs)
+        if isinstance(self.model, ShardedModel):
+            # (Trainer reads the label names and whether a loss comes back from the model's class: the HF one's)
+            from transformers.utils import can_return_loss, find_labels
+
+            hf_class = type(self.model.module)
+            if self.args.label_names is None:
+                self.label_names = find_labels(hf_class)
+            self.can_return_loss = can_return_loss(hf_class)
         replace_fused_lm_head(self.model)
 
     # --- Accelerate ----------------------------------------------------------------------
@@ -215,7 +246,13 @@ def replace_fused_lm_head(model) -> None:
     such a model a forward that returns the same per-token fields (``log_probs``, ``entropy``,
     ``is_top1``, ``label_mask``, ``loss``) from the model's own logits: the lm_head runs as a unit."""
     forward = model.__dict__.get("forward") if isinstance(model, ShardedModel) else None
-    if forward is None or getattr(forward, "__name__", "") != "_fused_forward":
+    if forward is None:
+        return
+    try:  # (TRL's wraps the class's forward, so its own signature is the one not followed through __wrapped__)
+        own = inspect.signature(getattr(forward, "__func__", forward), follow_wrapped=False).parameters
+    except (TypeError, ValueError):
+        return
+    if "fused_lm_head" not in own:
         return
     logger.info("yashard: TRL's fused LM-head loss reads lm_head.weight outside the lm_head's forward, which a sharded "
                 "model cannot; the model's own forward computes the same per-token log-probabilities, entropy and "

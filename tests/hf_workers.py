@@ -1,0 +1,189 @@
+"""Rank functions for tests/test_hf.py: HF Trainer, Accelerate and TRL on yashard and on DDP.
+
+Every run builds the same tiny Llama (seed 0) and the same in-memory data, so a DDP run and a
+yashard run see the same global batches; they return what the tests compare (Trainer's
+log_history, the final weights, the compute dtype)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+import models
+
+VOCAB = 96
+
+
+def tokenizer():
+    """A word-level tokenizer over the tiny model's vocabulary, built in memory (no download)."""
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   pad_token="<unk>")
+
+
+def lm_data(n: int = 32, seq: int = 16, seed: int = 1) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    return [{"input_ids": x, "labels": x} for x in torch.randint(3, VOCAB, (n, seq), generator=g)]
+
+
+def _args(out, **overrides):
+    from transformers import TrainingArguments
+
+    base = dict(output_dir=out, per_device_train_batch_size=2, max_steps=4, logging_steps=1, learning_rate=1e-3,
+                report_to=[], save_strategy="no", use_cpu=True, seed=0, dataloader_drop_last=True,
+                disable_tqdm=True, weight_decay=0.1, max_grad_norm=0.5, lr_scheduler_type="cosine",
+                warmup_steps=1, per_device_eval_batch_size=2)
+    base.update(overrides)
+    return TrainingArguments(**base)
+
+
+def _steps(history: list[dict]) -> list[dict]:
+    return [h for h in history if "loss" in h]
+
+
+def trainer_run(rank, world, engine, out, overrides, resume=None, save_model=None, model_folder=False):
+    """Train with ``transformers.Trainer`` (``engine="ddp"``) or ``yashard.hf.Trainer``; returns
+    the per-step logs, the eval logs, the compute dtype, and (rank 0) the final full weights."""
+    import yashard
+    import yashard.hf
+    from transformers import Trainer
+
+    model = models.build("llama", seed=0)
+    if model_folder:  # the model given as a folder: save it first (rank 0) and pass the path
+        folder = os.path.join(out, "init_model")
+        if rank == 0:
+            model.save_pretrained(folder)
+        torch.distributed.barrier()
+        model = folder
+    cls = Trainer if engine == "ddp" else yashard.hf.Trainer
+    args = _args(out, **overrides)
+    eval_data = lm_data(8, seed=5) if args.eval_strategy != "no" else None
+    trainer = cls(model=model, args=args, train_dataset=lm_data(), eval_dataset=eval_data,
+                  processing_class=tokenizer())
+    trainer.train(resume_from_checkpoint=resume)
+    result = {"steps": _steps(trainer.state.log_history),
+              "evals": [h for h in trainer.state.log_history if "eval_loss" in h]}
+    if engine == "ddp":
+        result["dtype"] = str(next(trainer.model.parameters()).dtype)
+        full = {k: v.detach().float().clone() for k, v in trainer.model.state_dict().items()}
+    else:
+        result["dtype"] = str(trainer.model.runtime.config.param_dtype)
+        result["checkpoint_layers"] = trainer.model.runtime.config.checkpoint_layers
+        full = trainer.model.full_state_dict()
+    if save_model is not None:
+        trainer.save_model(save_model)
+    result["full"] = full if rank == 0 else None
+    return result
+
+
+def accelerate_run(rank, world, engine, out, steps=4, accumulation=2, resume_at=None):
+    """A plain Accelerate loop (prepare, accumulate, backward, clip_grad_norm_, save_state and
+    load_state at ``resume_at``) with ``accelerate.Accelerator`` on DDP or ``yashard.hf.Accelerator``."""
+    import accelerate
+    from torch.utils.data import DataLoader
+
+    import yashard.hf
+
+    torch.manual_seed(0)
+    cls = accelerate.Accelerator if engine == "ddp" else yashard.hf.Accelerator
+    acc = cls(gradient_accumulation_steps=accumulation, cpu=True)
+    model = models.build("llama", seed=0)
+    loader = DataLoader([d["input_ids"] for d in lm_data()], batch_size=2, shuffle=False)
+    if engine == "ddp":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+        model, opt, loader = acc.prepare(model, opt, loader)
+    else:
+        model = acc.prepare(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+        opt, loader = acc.prepare(opt, loader)
+    sched = acc.prepare(torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9))
+    losses, norms = [], []
+    step = 0
+    for batch in loader:
+        with acc.accumulate(model):
+            loss = model(input_ids=batch, labels=batch).loss
+            acc.backward(loss)
+            if acc.sync_gradients:
+                norms.append(float(acc.clip_grad_norm_(model.parameters(), 0.5)))
+                step += 1
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        losses.append(float(acc.gather(loss.detach()).mean()))
+        if acc.sync_gradients and step == resume_at:
+            acc.save_state(os.path.join(out, "state"))
+            saved = [p.detach().clone() for p in model.parameters()]
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(0.5)  # spoil the weights: load_state must bring them back
+            for group in opt.param_groups:
+                group["lr"] = 123.0
+            acc.load_state(os.path.join(out, "state"))
+            assert all(torch.equal(a, b) for a, b in zip(saved, model.parameters()))
+            assert opt.param_groups[0]["lr"] != 123.0
+        if step == steps:
+            break
+    return {"losses": losses, "norms": norms}
+
+
+def sft_run(rank, world, engine, out, overrides):
+    """TRL's SFTTrainer with its defaults except ``overrides``, on DDP or ``yashard.hf.SFTTrainer``."""
+    import datasets
+    from trl import SFTConfig, SFTTrainer
+
+    import yashard.hf
+
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.randint(6, 16, (32,), generator=g)
+    ids = [torch.randint(3, VOCAB, (int(n),), generator=g).tolist() for n in lengths]
+    data = datasets.Dataset.from_dict({"input_ids": ids})
+    config = SFTConfig(output_dir=out, per_device_train_batch_size=2, max_steps=4, logging_steps=1,
+                       report_to=[], save_strategy="no", use_cpu=True, seed=0, dataloader_drop_last=True,
+                       disable_tqdm=True, **overrides)
+    cls = SFTTrainer if engine == "ddp" else yashard.hf.SFTTrainer
+    trainer = cls(model=models.build("llama", seed=0), args=config, train_dataset=data,
+                  processing_class=tokenizer())
+    trainer.train()
+    out = {"steps": _steps(trainer.state.log_history)}
+    if engine != "ddp":
+        out["dtype"] = str(trainer.model.runtime.config.param_dtype)
+        out["checkpoint_layers"] = trainer.model.runtime.config.checkpoint_layers
+    return out
+
+
+def refusals(rank, world, out):
+    """Each way of misusing yashard.hf raises, naming the fix; returns the messages."""
+    import pytest
+    from transformers import TrainingArguments
+
+    import yashard
+    import yashard.hf
+
+    got = {}
+    with pytest.raises(ValueError) as e:
+        yashard.hf.Trainer(model=models.build("llama"), args=_args(out, fp16=True, use_cpu=True))
+    got["fp16"] = str(e.value)
+    sharded = yashard.shard(models.build("llama"))
+    with pytest.raises(ValueError) as e:
+        yashard.hf.Trainer(model=sharded, args=_args(out, bf16=True))
+    got["bf16_on_fp32"] = str(e.value)
+    with pytest.raises(ValueError) as e:
+        yashard.hf.Trainer(model=sharded, args=_args(out, gradient_checkpointing=True))
+    got["checkpointing"] = str(e.value)
+    with pytest.raises(ValueError) as e:
+        yashard.hf.Trainer(model=models.build("llama"), args=None)
+    got["no_args"] = str(e.value)
+    acc = yashard.hf.Accelerator(cpu=True)
+    model = models.build("llama")
+    with pytest.raises(ValueError) as e:
+        acc.prepare(model, torch.optim.AdamW(model.parameters()))
+    got["optimizer_first"] = str(e.value)
+    assert isinstance(TrainingArguments, type)
+    return got

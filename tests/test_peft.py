@@ -124,8 +124,8 @@ def test_the_hf_model_inside_a_peft_model_exports_merged_and_saves_no_adapter(pg
 
 def test_the_adapter_group_decays_and_peft_save_pretrained_names_save_adapter(pg, tmp_path):
     """The adapters are matrices: param_groups and HF Trainer's name-based rule put the adapter group
-    in the decay group (the norm group is the no-decay one). PeftModel.save_pretrained would read
-    state_dict(): refused, naming save_adapter."""
+    in the decay group (the norm group is the no-decay one). peft counts the unsharded parameters.
+    PeftModel.save_pretrained would read state_dict(): refused, naming save_adapter."""
     from transformers import Trainer
 
     sm = yashard.shard(lora_model())
@@ -134,6 +134,8 @@ def test_the_adapter_group_decays_and_peft_save_pretrained_names_save_adapter(pg
     assert sorted(n for n, _ in sm.named_parameters()) == sorted(
         f"shards.{u}" for u in ("embed", "layer_0", "layer_1", "layer_2", "layer_3", "lm_head", "adapters",
                                 "norms_and_biases"))
+    # peft's counts (print_trainable_parameters) are the unsharded model's
+    assert sm.module.get_nb_trainable_parameters() == lora_model().get_nb_trainable_parameters() == (1792, 45088)
     names = Trainer.get_decay_parameter_names(None, sm)
     assert "shards.adapters" in names and "shards.norms_and_biases" not in names
     with pytest.raises(RuntimeError, match=r"a PEFT adapter: yashard\.save_adapter\(model, path\)"):

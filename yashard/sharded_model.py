@@ -264,6 +264,25 @@ def _answer_inner(module: nn.Module, prefix: str, runtime: Runtime, outer: dict)
     module.__dict__["_yashard_prefix"] = prefix + "."
 
 
+_SHARDED_PEFT_CLASSES: dict[type, type] = {}
+
+
+def _answer_peft(module: nn.Module, runtime: Runtime) -> None:
+    """A PEFT model around the sharded HF model (``shard(peft_model)``) holds no parameter either:
+    give it a same-named subclass whose ``get_nb_trainable_parameters`` (``print_trainable_parameters``)
+    counts the unsharded parameters, as the HF model's ``num_parameters`` does."""
+    cls = type(module)
+    if module is runtime.model or not hasattr(cls, "get_nb_trainable_parameters"):
+        return
+
+    def get_nb_trainable_parameters(self) -> tuple[int, int]:
+        hf = self.get_base_model()
+        return hf.num_parameters(only_trainable=True), hf.num_parameters()
+
+    module.__class__ = same_named_subclass(cls, _SHARDED_PEFT_CLASSES,
+                                           {"get_nb_trainable_parameters": get_nb_trainable_parameters})
+
+
 def _count_parameters(module: nn.Module, units, prefix: str, only_trainable: bool, exclude_embeddings: bool) -> int:
     """HF's ``num_parameters`` of ``module`` (named ``prefix`` in the sharded model; "" for the model
     itself): the parameters it still holds plus the sharded ones under ``prefix``, unpadded and tied
@@ -304,6 +323,7 @@ class ShardedModel(nn.Module):
         self.shards = nn.ParameterDict({name.removeprefix("shards."): master for name, master in _shard_names(runtime.units)})
         object.__setattr__(self, "_runtime", runtime)
         _answer_device_and_dtype(runtime.model, runtime)  # (the HF model: a PEFT model's base model)
+        _answer_peft(module, runtime)
         # module too (HF's save_pretrained reads its state_dict), and every submodule that lost a
         # parameter to a shard or holds one that did (model.model, a layer, lm_head): theirs would
         # silently leave those parameters out

@@ -34,7 +34,9 @@ its own (for Llama, the embedding or the lm_head). On top come the stage-3 defau
 ``deepspeed/runtime/zero/config.py``: parameters under ``stage3_param_persistence_threshold`` (1e5
 elements) stay whole on every rank; ``stage3_prefetch_bucket_size`` (5e7 elements) of gathered
 parameters run ahead of the module in use; ``reduce_bucket_size`` (5e8 elements) is the gradient
-reduction buffer; ``stage3_max_live_parameters`` (1e9) caps the gathered parameters. Not measured
+reduction buffer; ``stage3_max_live_parameters`` (1e9) caps the gathered parameters, and a layer
+stays gathered from its forward to its backward when fewer than ``stage3_max_reuse_distance`` (1e9)
+parameters are fetched in between. Not measured
 here: DeepSpeed is not installed on the check machine.
 """
 
@@ -47,6 +49,7 @@ DS_PERSISTENCE_THRESHOLD = 100_000
 DS_PREFETCH_BUCKET = 50_000_000
 DS_REDUCE_BUCKET = 500_000_000
 DS_MAX_LIVE_PARAMETERS = 1_000_000_000
+DS_MAX_REUSE_DISTANCE = 1_000_000_000
 
 
 class _Timeline:
@@ -150,15 +153,29 @@ def deepspeed_estimator_bytes(shape: ModelShape, world: int) -> int:
     return 4 * largest + 18 * shape.total_numel // world
 
 
+def deepspeed_kept_layers(shape: ModelShape) -> int:
+    """How many of the last layers ZeRO-3 keeps gathered from their forward to their backward:
+    those with fewer than ``stage3_max_reuse_distance`` parameters fetched in between (the layers
+    above them and the lm_head, twice)."""
+    between, kept = shape.lm_head_numel, 0
+    for _ in range(shape.layers):
+        if 2 * between > DS_MAX_REUSE_DISTANCE:
+            break
+        kept += 1
+        between += shape.layer_matrix_numel
+    return kept
+
+
 def deepspeed_zero3_peak(shape: ModelShape, acts: Activations, *, world: int, param_bytes: int) -> Peak:
     """ZeRO-3's peak per rank: DeepSpeed's estimator for the model states, the replicated small
     parameters, the gathered parameters (the module in use plus the prefetch bucket, capped by
-    ``stage3_max_live_parameters``), the reduce bucket in ``param_bytes``, and the activations as
+    ``stage3_max_live_parameters``) and the last layers kept for their backward, the reduce bucket in ``param_bytes``, and the activations as
     for the other engines (the largest of the loss's backward and a layer's weight gradients)."""
     p = param_bytes
     state = deepspeed_estimator_bytes(shape, world)
     small = (shape.layer_numel - shape.layer_matrix_numel) * shape.layers + shape.other_numel
-    live = min(DS_MAX_LIVE_PARAMETERS, max(shape.embed_numel, shape.lm_head_numel, shape.layer_numel)
+    kept = deepspeed_kept_layers(shape) * shape.layer_matrix_numel
+    live = min(DS_MAX_LIVE_PARAMETERS, kept + max(shape.embed_numel, shape.lm_head_numel, shape.layer_numel)
                + DS_PREFETCH_BUCKET) * p
     bucket = min(DS_REDUCE_BUCKET, shape.total_numel) * p
     base = state + small * p + bucket

@@ -1,0 +1,209 @@
+"""The communication plan of one training step: every collective a rank issues, as the runtime's
+``CollectiveLog`` records it, with no process group (issue 36, item 2).
+
+The rules are yashard's schedule (docs/design.md, "No gather twice"):
+
+- every unit is gathered once per optimizer step: the norm group, the embedding and layers 0 and 1
+  by the step's post-hook, the other layers and the lm_head by the forward;
+- the backward re-gathers every decoder layer but the last two, still in their slots; the
+  embedding's backward needs no weights and the lm_head is still in the outer slot;
+- with ``reshard_after_forward=False`` nothing is gathered twice; over a shard group of one rank
+  (hybrid with ``shard_group_size=1``) nothing is gathered at all: the slots are direct;
+- every trained unit is reduce-scattered once per backward, over the shard group, in
+  ``reduce_dtype``; under hybrid sharding its chunk is then all-reduced over the replica group;
+- qwZ gathers each rank's int8 or int4 codes and fp32 scales (``quant.qwz_workspace_nbytes``)
+  instead of ``param_dtype`` values, the norm group exact; with hpZ the backward re-gathers read
+  the secondary group, exact;
+- qgZ replaces a reduce-scatter by an all-to-all inside the node (``W`` packed parts) and one
+  across nodes (``nodes`` packed parts); a bucket it does not pay for, and the norm group, keep the
+  exact reduce-scatter (``zeropp.qgz_fallback_reason``).
+
+``nbytes`` is the full tensor's size, as the log counts it; :attr:`Collective.sent` is what one
+rank sends with ring or pairwise algorithms: ``(g-1)/g`` of it over ``g`` ranks, twice that for an
+all-reduce. :func:`peer_collectives` gives FSDP2's and ZeRO-3's by the same counting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .. import build, partition
+from ..config import ShardConfig
+from ..memory import dtype_bytes
+from ..patch.spec import resolve_spec
+from ..quant import packed_nbytes, qwz_workspace_nbytes
+from ..zeropp import qgz_fallback_reason
+from .activations import ModelShape
+from .peers import DS_PERSISTENCE_THRESHOLD, deepspeed_kept_layers
+
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+
+
+@dataclass(frozen=True)
+class Collective:
+    kind: str         # all_gather, reduce_scatter, all_reduce, all_to_all
+    phase: str        # "forward" (the step's post-hook gathers included) or "backward"
+    unit: str         # as the runtime names it: embed, layer_<i>, lm_head, small
+    group: str        # world, shard, secondary, replica, node, cross_node
+    group_size: int
+    numel: int        # as the log records it
+    nbytes: int
+
+    @property
+    def sent(self) -> float:
+        """Bytes one rank sends: ``(g-1)/g * nbytes``, twice that for an all-reduce."""
+        share = (self.group_size - 1) / self.group_size * self.nbytes
+        return 2 * share if self.kind == "all_reduce" else share
+
+
+@dataclass(frozen=True)
+class Qgz:
+    """qgZ's settings, as ``QgzState`` takes them."""
+
+    ranks_per_node: int
+    bits: int = 4
+    block: int = 64
+
+
+def unit_sizes(model, config: ShardConfig, shard_world: int) -> dict[str, tuple[int, bool]]:
+    """``{unit: (padded numel, trains)}`` in the runtime's order, from the model's shapes alone."""
+    spec = resolve_spec(model)
+    groups = partition.partition(model, spec)
+    layouts = build.layouts_of(groups, shard_world, config)
+    return {key: (layouts[key].padded, any(p.requires_grad for p, _, _ in members))
+            for key, members in groups.items()}
+
+
+def yashard_collectives(units: dict[str, tuple[int, bool]], *, world: int, config: ShardConfig,
+                        qgz: Qgz | None = None) -> tuple[Collective, ...]:
+    """Every collective of one step (one micro-batch) of one rank, in the log's units and sizes."""
+    s = config.shard_group_size or world
+    replicas = world // s
+    h = config.secondary_group_size
+    p, g = dtype_bytes(config.param_dtype), dtype_bytes(config.wire_dtype)
+    group = "world" if s == world else "shard"
+    layers = [k for k in units if k.startswith("layer_")]
+    out: list[Collective] = []
+
+    def gather(phase: str, unit: str, secondary: bool = False) -> None:
+        padded = units[unit][0]
+        if secondary:
+            out.append(Collective("all_gather", phase, unit, "secondary", h, padded, padded * p))
+        elif config.quantized_weights and unit != "small":
+            b = qwz_workspace_nbytes(padded // s, s, bits=config.quantized_weights, block=config.quant_block)
+            out.append(Collective("all_gather", phase, unit, group, s, b, b))
+        else:
+            out.append(Collective("all_gather", phase, unit, group, s, padded, padded * p))
+
+    if s > 1:
+        for unit in units:
+            gather("forward", unit)
+        if config.reshard_after_forward:
+            for unit in layers[:-2]:
+                gather("backward", unit, secondary=h is not None)
+    for unit, (padded, trains) in units.items():
+        if not trains:
+            continue
+        reason = "no qgZ" if qgz is None or unit == "small" else qgz_fallback_reason(
+            padded, s, qgz.ranks_per_node, dtype=config.wire_dtype, bits=qgz.bits, block=qgz.block)
+        if reason is None:
+            part = packed_nbytes(padded // s, qgz.bits, qgz.block)
+            local, nodes = qgz.ranks_per_node, s // qgz.ranks_per_node
+            if local > 1:
+                out.append(Collective("all_to_all", "backward", unit + "/intra", "node", local, s * part, s * part))
+            if nodes > 1 or local == 1:
+                out.append(Collective("all_to_all", "backward", unit + "/inter", "cross_node", nodes, nodes * part,
+                                      nodes * part))
+        else:
+            out.append(Collective("reduce_scatter", "backward", unit, group, s, padded, padded * g))
+        if replicas > 1:
+            out.append(Collective("all_reduce", "backward", unit, "replica", replicas, padded // s, padded // s * g))
+    return tuple(out)
+
+
+def peer_collectives(shape: ModelShape, *, world: int, param_bytes: int, reduce_bytes: int = 4,
+                     engine: str = "fsdp2") -> tuple[Collective, ...]:
+    """FSDP2's (``fully_shard`` per decoder layer, then the root) or ZeRO-3's collectives of one
+    step, counted as yashard's are (padding left out).
+
+    FSDP2 gathers each layer in forward and again in backward (``reshard_after_forward=True``),
+    the root once (it is not resharded after forward), and reduce-scatters every group.
+    ZeRO-3 (DeepSpeed's defaults) never gathers parameters under ``stage3_param_persistence_threshold``
+    elements; it keeps a gathered layer for its backward when the parameters fetched in between
+    stay under ``stage3_max_reuse_distance`` (1e9 elements); it reduce-scatters every gradient."""
+    w, p, r = world, param_bytes, reduce_bytes
+    root = shape.total_numel - shape.layers * shape.layer_numel
+    out = []
+    if engine == "fsdp2":
+        out.append(Collective("all_gather", "forward", "root", "world", w, root, root * p))
+        for k in range(shape.layers):
+            out.append(Collective("all_gather", "forward", f"layer_{k}", "world", w, shape.layer_numel,
+                                  shape.layer_numel * p))
+        for k in reversed(range(shape.layers)):
+            out.append(Collective("all_gather", "backward", f"layer_{k}", "world", w, shape.layer_numel,
+                                  shape.layer_numel * p))
+            out.append(Collective("reduce_scatter", "backward", f"layer_{k}", "world", w, shape.layer_numel,
+                                  shape.layer_numel * r))
+        out.append(Collective("reduce_scatter", "backward", "root", "world", w, root, root * r))
+        return tuple(out)
+    if engine != "deepspeed-zero3":
+        raise ValueError(f"engine={engine!r}: fsdp2 or deepspeed-zero3")
+    layer = shape.layer_matrix_numel  # its 1-D parameters are under the persistence threshold
+    if shape.embed_numel >= DS_PERSISTENCE_THRESHOLD:
+        out.append(Collective("all_gather", "forward", "embed", "world", w, shape.embed_numel, shape.embed_numel * p))
+    for k in range(shape.layers):
+        out.append(Collective("all_gather", "forward", f"layer_{k}", "world", w, layer, layer * p))
+    if shape.lm_head_numel:
+        out.append(Collective("all_gather", "forward", "lm_head", "world", w, shape.lm_head_numel,
+                              shape.lm_head_numel * p))
+    kept = deepspeed_kept_layers(shape)
+    for k in reversed(range(shape.layers)):
+        if k < shape.layers - kept:  # released after its forward: gathered again
+            out.append(Collective("all_gather", "backward", f"layer_{k}", "world", w, layer, layer * p))
+        out.append(Collective("reduce_scatter", "backward", f"layer_{k}", "world", w, layer, layer * r))
+    out.append(Collective("reduce_scatter", "backward", "embed+lm_head", "world", w,
+                          shape.embed_numel + shape.lm_head_numel, (shape.embed_numel + shape.lm_head_numel) * r))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class CommSummary:
+    """Per kind: how many, their bytes as logged, the smallest and largest message, bytes sent."""
+
+    kind: str
+    count: int
+    nbytes: int
+    smallest: int
+    largest: int
+    sent: float
+
+
+def summarize(collectives) -> tuple[CommSummary, ...]:
+    out = []
+    for kind in KINDS:
+        cs = [c for c in collectives if c.kind == kind]
+        if cs:
+            out.append(CommSummary(kind, len(cs), sum(c.nbytes for c in cs), min(c.nbytes for c in cs),
+                                   max(c.nbytes for c in cs), sum(c.sent for c in cs)))
+    return tuple(out)
+
+
+def cross_node_sent(collectives, ranks_per_node: int, world: int) -> float:
+    """Of the bytes sent, those that leave the node, with ``ranks_per_node`` consecutive ranks per
+    node: groups of consecutive ranks (world, shard, secondary, node) cross nodes when larger than
+    a node; replica and cross-node groups always do (when there is more than one node)."""
+    if world <= ranks_per_node:
+        return 0.0
+    total = 0.0
+    for c in collectives:
+        if c.group in ("replica", "cross_node") or c.group_size > ranks_per_node:
+            total += c.sent
+    return total
+
+
+def step_seconds(shape: ModelShape, *, tokens: int, tflops: float, mfu: float, checkpoint_layers: int = 0) -> float:
+    """Compute time of one step on one rank: ``6 * N * tokens`` flops, plus ``2 * (the checkpointed
+    layers' parameters) * tokens`` for their recomputation, at ``tflops * mfu``."""
+    recompute = 2 * min(checkpoint_layers, shape.layers) * shape.layer_numel * tokens
+    return (6 * shape.total_numel * tokens + recompute) / (tflops * 1e12 * mfu)
+

@@ -130,3 +130,18 @@ def test_misuse_is_refused_naming_the_fix(tmp_path):
     assert "checkpoint_layers" in got["checkpointing"]
     assert "needs args" in got["no_args"]
     assert "Prepare the model first" in got["optimizer_first"]
+
+
+def test_recipe_trains_the_embedded_default_through_trainer_and_resumes(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from test_recipes import run_recipe
+
+    args = ["--seq-len", "32", "--max-bytes", "100000", "--micro-batch", "2", "--save-steps", "2",
+            "--out-dir", str(tmp_path)]
+    out = run_recipe("hf_trainer.py", "--steps", "2", *args)
+    assert "yashard memory plan" in out and "held-out loss" in out
+    assert (tmp_path / "checkpoint-2" / "yashard").is_dir()
+    out = run_recipe("hf_trainer.py", "--steps", "3", "--resume", *args)
+    assert "held-out loss" in out
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "final").config.vocab_size == 259

@@ -127,12 +127,22 @@ def test_the_command_line_prints_the_plan_of_a_preset_marked_fixed_or_1_over_w()
                    for line in lines), (r.name, out.stdout)
     state = (planned.total_bytes + planned.adamw_bytes) / 2**30
     assert f"model state leaves {24 - state:.3f} GiB of 24.000 GiB" in out.stdout
-    assert "activations, communication and peers are not estimated here yet" in out.stdout
+    # then the activations of one 4096-token sequence, the peaks, and the communication of a step
+    from yashard.plan.activations import activations, shape_of, yashard_peak
+
+    shape = shape_of(preset_config("mistral-7b"))
+    peak = yashard_peak(planned.total_bytes + planned.adamw_bytes, shape,
+                        activations(shape, seq=4096, micro_batch=1, param_bytes=2))
+    assert any(line.split()[:3] == ["yashard", f"{state:.2f}", f"{peak.bytes / 2**30:.2f}"] for line in lines), out.stdout
+    assert any(line.split()[0] == "FSDP2" for line in lines) and "DeepSpeed ZeRO-3" in out.stdout
+    assert "communication per rank and step, 4096 tokens" in out.stdout and "+ qwZ int8" in out.stdout
 
 
 @pytest.mark.parametrize("args, message", [
     (["--config", "nope", "--world", "2"], "--config nope: neither a preset (llama-3-8b, "),
     (["--config", "llama-3-8b", "--world", "8", "--gpu-memory", "80XB"], "'80XB' is not a size"),
+    (["--config", "llama-3-8b", "--world", "8", "--mfu", "2"], "--mfu in (0, 1]"),
+    (["--config", "llama-3-8b", "--world", "8", "--bandwidth", "fast"], "'fast' is not a size"),
 ])
 def test_the_command_line_names_a_bad_argument(args, message, capsys):
     from yashard.plan.__main__ import main
@@ -148,3 +158,11 @@ def test_sizes_parse_as_written():
     assert parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("141GB") == 141 * 10**9 and parse_bytes("1024") == 1024
     with pytest.raises(ValueError, match="is not a size"):
         parse_bytes("lots")
+
+
+def test_the_largest_micro_batch_that_fits():
+    from yashard.plan.__main__ import largest_micro_batch
+
+    assert largest_micro_batch(lambda mb: 10 * mb, 35) == 3
+    assert largest_micro_batch(lambda mb: 10 * mb, 9) == 0
+    assert largest_micro_batch(lambda mb: 10 * mb, 10 * 1000) == 1000

@@ -1,10 +1,16 @@
 """``python -m yashard.plan``: the memory plan of a config or preset at a world size, printed.
 
     python -m yashard.plan --config llama-3-70b --world 256 --gpu-memory 80GiB
+    python -m yashard.plan --config llama-3-8b --world 8 --seq-len 4096 --micro-batch 1 --checkpoint-layers 32
     python -m yashard.plan --config path/to/config.json --world 64 --shard-group-size 8
 
 Each row of the plan is marked fixed (the slots hold whole units, whatever the world size) or 1/W
-(this rank's share of the model), then the model state with AdamW against one GPU's memory.
+(this rank's share of the model), then the model state with AdamW against one GPU's memory. Then
+the activations of one micro-batch (:mod:`yashard.plan.activations`), the peak they imply for
+yashard, FSDP2 and DeepSpeed ZeRO-3 (:mod:`yashard.plan.peers`), whether it fits and the largest
+micro-batch that does, and the communication of one step (:mod:`yashard.plan.comm`): bytes per
+rank and kind, message sizes, and their time at ``--bandwidth`` against the compute time at
+``--tflops`` and ``--mfu``, for yashard with and without ZeRO++ and hybrid sharding, and the peers.
 """
 
 from __future__ import annotations
@@ -15,9 +21,14 @@ import re
 
 import torch
 
+from dataclasses import replace
+
 from ..config import ShardConfig, dtype_name
-from ..memory import MemoryPlan
+from ..memory import MemoryPlan, dtype_bytes
 from . import BACKENDS, plan
+from .activations import ATTENTION, activations, shape_of, yashard_peak
+from .comm import Qgz, cross_node_sent, peer_collectives, step_seconds, summarize, unit_sizes, yashard_collectives
+from .peers import deepspeed_zero3_peak, fsdp2_peak
 from .presets import PRESETS, preset_config
 
 # Rows whose size does not shrink as the world grows (the slots hold whole units); the others
@@ -44,6 +55,11 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _rate(text: str) -> int:
+    """``"50GB/s"`` (or ``"50GB"``): bytes per second."""
+    return _size(text[:-2] if text.endswith("/s") else text)
+
+
 def report(plan: MemoryPlan, gpu_memory: int | None = None) -> str:
     """The plan's rows marked fixed or 1/W, the totals, and the model state against ``gpu_memory``."""
     gib = 2**30
@@ -66,7 +82,111 @@ def report(plan: MemoryPlan, gpu_memory: int | None = None) -> str:
                    "framework" if left > 0 else
                    f"does not fit: {-left / gib:.3f} GiB over {gpu_memory / gib:.3f} GiB before any activation")
         lines.append(f"model state {verdict}")
-    lines.append("activations, communication and peers are not estimated here yet")
+    return "\n".join(lines)
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f}"
+
+
+def largest_micro_batch(peak_of, gpu_memory: int, limit: int = 1 << 16) -> int:
+    """The largest micro-batch whose peak ``peak_of(micro_batch)`` fits ``gpu_memory`` (0: none;
+    the peak grows with the micro-batch)."""
+    if peak_of(1) > gpu_memory:
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and peak_of(hi) <= gpu_memory:
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if peak_of(mid) <= gpu_memory else (lo, mid)
+    return lo
+
+
+def peaks_report(model, result: MemoryPlan, config: ShardConfig, world: int, *, seq: int, micro_batch: int,
+                 checkpoint: int, attention: str, gpu_memory: int | None) -> str:
+    """The activation estimate and the peaks of yashard, FSDP2 and ZeRO-3, with the largest
+    micro-batch that fits ``gpu_memory``. The peers shard over all ``world`` ranks."""
+    shape = shape_of(model)
+    p = dtype_bytes(config.param_dtype)
+    r = dtype_bytes(config.wire_dtype)
+    state = result.total_bytes + result.adamw_bytes
+
+    def acts_of(mb: int):
+        return activations(shape, seq=seq, micro_batch=mb, param_bytes=p, checkpoint_layers=checkpoint,
+                           attention=attention)
+
+    engines = {
+        "yashard": lambda mb: yashard_peak(state, shape, acts_of(mb)),
+        "FSDP2": lambda mb: fsdp2_peak(shape, acts_of(mb), world=world, param_bytes=p, reduce_bytes=r),
+        "DeepSpeed ZeRO-3": lambda mb: deepspeed_zero3_peak(shape, acts_of(mb), world=world, param_bytes=p),
+    }
+    acts = acts_of(micro_batch)
+    lines = [f"activations, micro-batch {micro_batch} x {seq} tokens, {checkpoint} checkpointed layers, {attention}:",
+             f"  per layer {_gib(acts.layer)} GiB, per checkpointed layer {_gib(acts.checkpointed)} GiB, "
+             f"head {_gib(acts.head)} GiB, logits {_gib(acts.logits)} GiB",
+             f"  at the forward's end {_gib(acts.forward_end)} GiB; the loss's backward adds {_gib(acts.loss_backward)}, "
+             f"a layer's weight gradients {_gib(acts.layer_grads)}",
+             "peak per rank (GiB):",
+             f"  {'engine':<17} {'state':>8} {'peak':>8}  {'at':<40}" + ("  fits  largest micro-batch" if gpu_memory else "")]
+    for name, peak_of in engines.items():
+        peak = peak_of(micro_batch)
+        line = f"  {name:<17} {_gib(peak.state):>8} {_gib(peak.bytes):>8}  {peak.at:<40}"
+        if gpu_memory:
+            line += f"  {'yes' if peak.bytes <= gpu_memory else 'no':<4}  {largest_micro_batch(lambda mb: peak_of(mb).bytes, gpu_memory)}"
+        lines.append(line)
+    lines.append("  state: held between steps (yashard: plan + AdamW; FSDP2: fp32 shards + AdamW; ZeRO-3: DeepSpeed's "
+                 "estimator + its buffers)")
+    return "\n".join(lines)
+
+
+def comm_report(model, config: ShardConfig, world: int, *, tokens: int, checkpoint: int, bandwidth: float,
+                node_bandwidth: float, ranks_per_node: int, tflops: float, mfu: float) -> str:
+    """The collectives of one step by kind for ``config``, then the bytes and times of the variants."""
+    shape = shape_of(model)
+    p, r = dtype_bytes(config.param_dtype), dtype_bytes(config.wire_dtype)
+    compute = step_seconds(shape, tokens=tokens, tflops=tflops, mfu=mfu, checkpoint_layers=checkpoint)
+
+    def ours(cfg: ShardConfig, qgz: Qgz | None = None):
+        return yashard_collectives(unit_sizes(model, cfg, cfg.shard_group_size or world), world=world, config=cfg,
+                                   qgz=qgz)
+
+    lines = [f"communication per rank and step, {tokens} tokens (logged: full tensor sizes; sent: ring, "
+             "(g-1)/g of it, twice for an all-reduce):",
+             f"  {'kind':<15} {'count':>6} {'logged GB':>10} {'sent GB':>9} {'smallest MB':>12} {'largest MB':>11}"]
+    for s in summarize(ours(config)):
+        lines.append(f"  {s.kind:<15} {s.count:>6} {s.nbytes / 1e9:>10.2f} {s.sent / 1e9:>9.2f} "
+                     f"{s.smallest / 1e6:>12.2f} {s.largest / 1e6:>11.2f}")
+    variants: dict[str, tuple] = {"yashard": ours(config)}
+    h = min(ranks_per_node, world)
+    if world > 1:
+        variants["+ qwZ int8"] = ours(replace(config, quantized_weights=8))
+        if config.reshard_after_forward and h < (config.shard_group_size or world) and (config.shard_group_size or world) % h == 0:
+            variants[f"+ hpZ {h}"] = ours(replace(config, secondary_group_size=h))
+        if world % h == 0:
+            variants[f"+ qgZ int4, {h}/node"] = ours(config, Qgz(h, 4, 64))
+        if world % h == 0 and h < world and config.shard_group_size is None:
+            variants[f"hybrid, shard groups of {h}"] = ours(replace(config, shard_group_size=h))
+        if world % h == 0 and config.secondary_group_size is None:
+            variants["qwZ + hpZ + qgZ"] = ours(replace(config, quantized_weights=8,
+                                                       secondary_group_size=h if h < world else None), Qgz(h, 4, 64))
+    variants["FSDP2"] = peer_collectives(shape, world=world, param_bytes=p, reduce_bytes=r)
+    variants["DeepSpeed ZeRO-3"] = peer_collectives(shape, world=world, param_bytes=p, reduce_bytes=r,
+                                                    engine="deepspeed-zero3")
+    bw, nbw = bandwidth, node_bandwidth
+    lines.append(f"time at {bw / 1e9:g} GB/s across nodes, {nbw / 1e9:g} GB/s inside ({ranks_per_node} ranks a node), "
+                 f"against {compute:.2f} s of compute ({tflops:g} TFLOP/s x {mfu:g}):")
+    lines.append(f"  {'variant':<26} {'gather GB':>9} {'reduce GB':>9} {'cross-node GB':>13} {'comm s':>7}  vs compute")
+    for name, cs in variants.items():
+        kinds = {s.kind: s.sent for s in summarize(cs)}
+        cross = cross_node_sent(cs, ranks_per_node, world)
+        seconds = cross / bw + (sum(kinds.values()) - cross) / nbw
+        gathers = kinds.get("all_gather", 0)
+        reduces = sum(kinds.get(k, 0) for k in ("reduce_scatter", "all_reduce", "all_to_all"))
+        bound = "communication-bound" if seconds > compute else "compute-bound"
+        lines.append(f"  {name:<26} {gathers / 1e9:>9.2f} {reduces / 1e9:>9.2f} {cross / 1e9:>13.2f} {seconds:>7.2f}  "
+                     f"{bound}")
     return "\n".join(lines)
 
 
@@ -85,7 +205,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-reshard", action="store_true", help="reshard_after_forward=False")
     p.add_argument("--backend", choices=BACKENDS, default="nccl")
     p.add_argument("--gpu-memory", type=_size, default=None, help="memory of one GPU, e.g. 80GiB")
+    p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence")
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch, per rank")
+    p.add_argument("--checkpoint-layers", type=int, default=0, help="ShardConfig.checkpoint_layers")
+    p.add_argument("--attention", choices=ATTENTION, default="sdpa", help="the model's attention implementation")
+    p.add_argument("--bandwidth", type=_rate, default=parse_bytes("50GB"),
+                   help="bytes per second one rank sends across nodes, e.g. 50GB/s")
+    p.add_argument("--node-bandwidth", type=_rate, default=None,
+                   help="bytes per second inside a node (default: --bandwidth)")
+    p.add_argument("--ranks-per-node", type=int, default=8, help="for hpZ, qgZ, hybrid and cross-node bytes")
+    p.add_argument("--tflops", type=float, default=400.0, help="peak TFLOP/s of one GPU in the compute dtype")
+    p.add_argument("--mfu", type=float, default=0.45, help="the fraction of --tflops a step reaches")
     args = p.parse_args(argv)
+    if min(args.seq_len, args.micro_batch, args.ranks_per_node) < 1 or args.checkpoint_layers < 0:
+        p.error("--seq-len, --micro-batch and --ranks-per-node must be >= 1, --checkpoint-layers >= 0")
+    if not (0 < args.mfu <= 1) or args.tflops <= 0:
+        p.error("--tflops must be > 0 and --mfu in (0, 1]")
     if args.config not in PRESETS and not os.path.exists(args.config):
         p.error(f"--config {args.config}: neither a preset ({', '.join(PRESETS)}) nor an existing config.json or "
                 "folder")
@@ -93,11 +228,27 @@ def main(argv: list[str] | None = None) -> int:
     config = ShardConfig(param_dtype=dtypes[args.param_dtype], reduce_dtype=dtypes[args.reduce_dtype],
                          shard_group_size=args.shard_group_size, secondary_group_size=args.secondary_group_size,
                          quantized_weights=args.quantized_weights, reshard_after_forward=not args.no_reshard)
-    result = plan(source, world_size=args.world, config=config, backend=args.backend)
+    config = replace(config, checkpoint_layers=args.checkpoint_layers)
+    model = _meta_model(source)
+    result = plan(model, world_size=args.world, config=config, backend=args.backend)
     print(f"{args.config}: param_dtype {dtype_name(config.param_dtype)}, reduce_dtype "
           f"{dtype_name(config.wire_dtype)}, backend {args.backend}")
     print(report(result, args.gpu_memory))
+    print(peaks_report(model, result, config, args.world, seq=args.seq_len, micro_batch=args.micro_batch,
+                       checkpoint=args.checkpoint_layers, attention=args.attention, gpu_memory=args.gpu_memory))
+    print(comm_report(model, config, args.world, tokens=args.seq_len * args.micro_batch, checkpoint=args.checkpoint_layers,
+                      bandwidth=args.bandwidth, node_bandwidth=args.node_bandwidth or args.bandwidth,
+                      ranks_per_node=args.ranks_per_node, tflops=args.tflops, mfu=args.mfu))
     return 0
+
+
+def _meta_model(source):
+    """The model of a config or a config.json path, on the meta device (nothing is allocated)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(source) if isinstance(source, str) else source
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(cfg)
 
 
 if __name__ == "__main__":

@@ -169,8 +169,9 @@ def comm_report(model, config: ShardConfig, world: int, *, tokens: int, checkpoi
         if world % h == 0 and h < world and config.shard_group_size is None:
             variants[f"hybrid, shard groups of {h}"] = ours(replace(config, shard_group_size=h))
         if world % h == 0 and config.secondary_group_size is None:
-            variants["qwZ + hpZ + qgZ"] = ours(replace(config, quantized_weights=8,
-                                                       secondary_group_size=h if h < world else None), Qgz(h, 4, 64))
+            hpz = h if h < world and config.reshard_after_forward else None
+            variants["qwZ + hpZ + qgZ" if hpz else "qwZ + qgZ"] = ours(
+                replace(config, quantized_weights=8, secondary_group_size=hpz), Qgz(h, 4, 64))
     variants["FSDP2"] = peer_collectives(shape, world=world, param_bytes=p, reduce_bytes=r)
     variants["DeepSpeed ZeRO-3"] = peer_collectives(shape, world=world, param_bytes=p, reduce_bytes=r,
                                                     engine="deepspeed-zero3")

@@ -140,3 +140,15 @@ def test_the_adapter_group_decays_and_peft_save_pretrained_names_save_adapter(pg
     assert "shards.adapters" in names and "shards.norms_and_biases" not in names
     with pytest.raises(RuntimeError, match=r"a PEFT adapter: yashard\.save_adapter\(model, path\)"):
         sm.save_pretrained(tmp_path / "adapter")
+
+
+def test_peft_parameters_outside_the_hf_model_are_refused(pg):
+    """Prompt tuning keeps its trainable prompt encoder in the PeftModel, outside the HF model that
+    yashard shards: it would train unreduced on every rank. Refused at shard()."""
+    from peft import PromptTuningConfig, get_peft_model
+
+    pm = get_peft_model(build("llama", seed=0), PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    with pytest.raises(ValueError, match=r"prompt_encoder\.default\.embedding\.weight is a parameter of the "
+                                         r"PeftModelForCausalLM outside its HF model \(LlamaForCausalLM\).*prompt "
+                                         r"learning methods \(prompt tuning, prefix tuning, p-tuning\) are not supported"):
+        yashard.shard(pm)

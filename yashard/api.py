@@ -98,6 +98,16 @@ def shard(model: nn.Module, *, config: ShardConfig | None = None, process_group=
                 secondary_group_size=config.secondary_group_size, timeout=config.collective_timeout, mesh=mesh)
     comm.log.track = config.debug_collectives
     hf = base_model_of(model)  # a PEFT model's HF model: its modules are sharded, the PEFT model is called
+    if hf is not model:
+        inside = {id(p) for p in hf.parameters()}
+        outside = next((n for n, p in model.named_parameters() if id(p) not in inside), None)
+        if outside is not None:
+            raise ValueError(
+                f"{outside} is a parameter of the {type(model).__name__} outside its HF model "
+                f"({type(hf).__name__}), which yashard shards: it would train unsharded and never be reduced across "
+                "ranks. yashard shards PEFT methods that put their adapters inside the model's layers (LoRA); "
+                "prompt learning methods (prompt tuning, prefix tuning, p-tuning) are not supported"
+            )
     spec = resolve_spec(hf)
     device = _pick_device(config, comm)
     comm.device_type = device.type

@@ -48,7 +48,13 @@ def _steps(history: list[dict]) -> list[dict]:
     return [h for h in history if "loss" in h]
 
 
-def trainer_run(rank, world, engine, out, overrides, resume=None, save_model=None, model_folder=False):
+def lora_config(init=True):
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, init_lora_weights=init)
+
+
+def trainer_run(rank, world, engine, out, overrides, resume=None, save_model=None, model_folder=False, lora=False):
     """Train with ``transformers.Trainer`` (``engine="ddp"``) or ``yashard.hf.Trainer``; returns
     the per-step logs, the eval logs, the compute dtype, and (rank 0) the final full weights."""
     import yashard
@@ -56,6 +62,11 @@ def trainer_run(rank, world, engine, out, overrides, resume=None, save_model=Non
     from transformers import Trainer
 
     model = models.build("llama", seed=0)
+    if lora:
+        from peft import get_peft_model
+
+        torch.manual_seed(7)
+        model = get_peft_model(model, lora_config())
     if model_folder:  # the model given as a folder: save it first (rank 0) and pass the path
         folder = os.path.join(out, "init_model")
         if rank == 0:
@@ -70,7 +81,10 @@ def trainer_run(rank, world, engine, out, overrides, resume=None, save_model=Non
     trainer.train(resume_from_checkpoint=resume)
     result = {"steps": _steps(trainer.state.log_history),
               "evals": [h for h in trainer.state.log_history if "eval_loss" in h]}
-    if engine == "ddp":
+    if lora:
+        result["trainable"] = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+        full = None
+    elif engine == "ddp":
         result["dtype"] = str(next(trainer.model.parameters()).dtype)
         full = {k: v.detach().float().clone() for k, v in trainer.model.state_dict().items()}
     else:
@@ -133,7 +147,7 @@ def accelerate_run(rank, world, engine, out, steps=4, accumulation=2, resume_at=
     return {"losses": losses, "norms": norms}
 
 
-def sft_run(rank, world, engine, out, overrides):
+def sft_run(rank, world, engine, out, overrides, peft=False, save_model=None):
     """TRL's SFTTrainer with its defaults except ``overrides``, on DDP or ``yashard.hf.SFTTrainer``."""
     import datasets
     from trl import SFTConfig, SFTTrainer
@@ -144,13 +158,19 @@ def sft_run(rank, world, engine, out, overrides):
     lengths = torch.randint(6, 16, (32,), generator=g)
     ids = [torch.randint(3, VOCAB, (int(n),), generator=g).tolist() for n in lengths]
     data = datasets.Dataset.from_dict({"input_ids": ids})
-    config = SFTConfig(output_dir=out, per_device_train_batch_size=2, max_steps=4, logging_steps=1,
-                       report_to=[], save_strategy="no", use_cpu=True, seed=0, dataloader_drop_last=True,
-                       disable_tqdm=True, **overrides)
+    config = SFTConfig(**{**dict(output_dir=out, per_device_train_batch_size=2, max_steps=4, logging_steps=1,
+                                 report_to=[], save_strategy="no", use_cpu=True, seed=0, dataloader_drop_last=True,
+                                 disable_tqdm=True), **overrides})
     cls = SFTTrainer if engine == "ddp" else yashard.hf.SFTTrainer
+    torch.manual_seed(7)  # (the adapters' init)
     trainer = cls(model=models.build("llama", seed=0), args=config, train_dataset=data,
-                  processing_class=tokenizer())
+                  processing_class=tokenizer(),
+                  # (OLoRA's init comes from the weights, not the RNG: TRL draws random numbers between its
+                  # model init and its get_peft_model, yashard.hf applies get_peft_model before them)
+                  peft_config=lora_config("olora") if peft else None)
     trainer.train()
+    if save_model is not None:
+        trainer.save_model(save_model)
     out = {"steps": _steps(trainer.state.log_history)}
     if engine != "ddp":
         out["dtype"] = str(trainer.model.runtime.config.param_dtype)

@@ -123,6 +123,37 @@ def test_sft_trainer_defaults_compute_in_bf16(tmp_path):
     assert all(math.isfinite(s["loss"]) and 0 <= s["mean_token_accuracy"] <= 1 for s in got["steps"])
 
 
+def adapters(folder) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(folder, "adapter_model.safetensors"))
+
+
+def test_trainer_trains_a_lora_model_as_ddp_and_saves_its_adapter(tmp_path):
+    """A PEFT LoRA model through yashard.hf.Trainer: the DDP run's losses and grad norms, AdamW's
+    state on the adapters only, and save_model writes the adapter PeftModel.from_pretrained loads."""
+    overrides = dict(gradient_accumulation_steps=2)
+    want = run_distributed(hf_workers.trainer_run, 2, "ddp", str(tmp_path / "ddp"), overrides, None,
+                           str(tmp_path / "ddp" / "final"), False, True)[0]
+    got = run_distributed(hf_workers.trainer_run, 2, "yashard", str(tmp_path / "y"), overrides, None,
+                          str(tmp_path / "y" / "final"), False, True)[0]
+    assert_same_steps(got["steps"], want["steps"])
+    a, b = adapters(tmp_path / "y" / "final"), adapters(tmp_path / "ddp" / "final")
+    assert a.keys() == b.keys() and a
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+    assert (tmp_path / "y" / "final" / "adapter_config.json").is_file()
+
+
+def test_sft_trainer_with_peft_config_matches_ddp(tmp_path):
+    overrides = dict(bf16=False)
+    want = run_distributed(hf_workers.sft_run, 2, "ddp", str(tmp_path / "ddp"), overrides, True)[0]
+    got = run_distributed(hf_workers.sft_run, 2, "yashard", str(tmp_path / "y"), overrides, True,
+                          str(tmp_path / "y" / "final"))[0]
+    assert_same_steps(got["steps"], want["steps"], keys=("loss", "grad_norm", "mean_token_accuracy"))
+    assert (tmp_path / "y" / "final" / "adapter_model.safetensors").is_file()
+
+
 def test_misuse_is_refused_naming_the_fix(tmp_path):
     got = run_distributed(hf_workers.refusals, 2, str(tmp_path))[0]
     assert "set bf16=True instead" in got["fp16"]

@@ -40,6 +40,18 @@ CHECKPOINT_DIR = "yashard"  # the sharded checkpoint inside a save_state folder 
 _PRECISION_DTYPES = {"no": torch.float32, "bf16": torch.bfloat16}
 
 
+def ensure_process_group() -> None:
+    """A process started without torchrun trains on one rank, as Trainer and Accelerate do without
+    DDP: give it a process group of its own (gloo, plus NCCL for CUDA tensors). Under torchrun
+    Accelerate has made the group already."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
 def precision_dtype(mixed_precision: str) -> torch.dtype:
     """The ``param_dtype`` that Accelerate's ``mixed_precision`` asks for; fp16 and fp8 are refused."""
     if mixed_precision not in _PRECISION_DTYPES:
@@ -109,6 +121,7 @@ class Accelerator(_Accelerator):
         if not isinstance(model, ShardedModel):
             if not any(p.requires_grad for p in model.parameters()):  # (a frozen reference model: not trained)
                 return super().prepare_model(model, device_placement, evaluation_mode)
+            ensure_process_group()
             model = shard(model, config=self.yashard_config())
         check_precision(model, self.mixed_precision)
         if model not in self._models:

@@ -15,7 +15,10 @@ one for another subclass). The user's ``TrainingArguments`` stay as they are. Wh
   ``trainer_state.json`` and ``training_args.bin`` are Trainer's own files beside it.
   ``resume_from_checkpoint`` reads them at any world size.
 * **save_model()** writes an HF folder (``yashard.export_hf``) with the tokenizer, which
-  ``AutoModelForCausalLM.from_pretrained`` loads.
+  ``AutoModelForCausalLM.from_pretrained`` loads; for a PEFT model, the adapter
+  (``yashard.save_adapter``), which ``PeftModel.from_pretrained`` loads.
+* **PEFT**: a ``PeftModel``, or ``peft_config=`` (applied before sharding), trains the adapters.
+* A process started without torchrun trains on a one-rank group of its own.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ from ..checkpoint import load_checkpoint, save_checkpoint
 from ..config import ShardConfig
 from ..hf_export import export_hf
 from ..sharded_model import ShardedModel
-from .accelerator import CHECKPOINT_DIR, Accelerator, raw_optimizer
+from ..peft_adapter import save_adapter
+from .accelerator import CHECKPOINT_DIR, Accelerator, ensure_process_group, raw_optimizer
 
 logger = logging.getLogger("yashard")
 
@@ -126,7 +130,24 @@ class ShardedTrainerMixin:
         if getattr(args, "push_to_hub", False):
             raise ValueError("push_to_hub with yashard.hf: save_model() writes the HF folder; push it with "
                              "huggingface_hub.upload_folder")
+        if kwargs.get("model_init") is not None:
+            raise ValueError("model_init with yashard.hf: pass the model itself (model=...); the trainer shards it once")
+        if getattr(args, "torch_compile", False):
+            raise ValueError("TrainingArguments(torch_compile=True) with yashard.hf: Accelerate's compile wraps the "
+                             "model it prepares, which yashard shards instead; leave torch_compile off (see "
+                             "docs/api.md, torch.compile, for compiling a sharded model's layers)")
         _ = args.device  # (sets up the process group, as Trainer does, before the model is sharded)
+        ensure_process_group()
+        peft_config = kwargs.pop("peft_config", None)
+        if peft_config is not None:  # (TRL applies it inside its __init__, after the model would be sharded)
+            if isinstance(model, ShardedModel):
+                raise ValueError("peft_config= with a model that is sharded already: apply get_peft_model before "
+                                 "yashard.shard, or pass the unsharded model")
+            if isinstance(model, (str, os.PathLike)):
+                raise ValueError("peft_config= with a model folder: load the model, apply get_peft_model, and pass it")
+            import peft
+
+            model = peft.get_peft_model(model, peft_config)
         if isinstance(model, (str, os.PathLike)):
             config = _hub_free_config(model, args, shard_config)
             model = from_pretrained(model, config=config)
@@ -147,7 +168,7 @@ class ShardedTrainerMixin:
             # (Trainer reads the label names and whether a loss comes back from the model's class: the HF one's)
             from transformers.utils import can_return_loss, find_labels
 
-            hf_class = type(self.model.module)
+            hf_class = type(hf_model(self.model))
             if self.args.label_names is None:
                 self.label_names = find_labels(hf_class)
             self.can_return_loss = can_return_loss(hf_class)
@@ -167,7 +188,7 @@ class ShardedTrainerMixin:
         own = super()._set_signature_columns_if_needed
         if (self._signature_columns is None and isinstance(self.model, ShardedModel)
                 and getattr(own, "__func__", None) is transformers.Trainer._set_signature_columns_if_needed):
-            names = list(inspect.signature(self.model.module.forward).parameters)
+            names = list(inspect.signature(hf_model(self.model).forward).parameters)
             self._signature_columns = names + sorted({"label", "label_ids", *self.label_names})
         own()
 
@@ -186,6 +207,8 @@ class ShardedTrainerMixin:
         if _internal_call:
             optimizer = None if self.args.save_only_model or self.optimizer is None else raw_optimizer(self.optimizer)
             save_checkpoint(os.path.join(output_dir, CHECKPOINT_DIR), self.model, optimizer)
+        elif is_peft(self.model):
+            save_adapter(self.model, output_dir)  # (as Trainer saves a PEFT model: the adapter)
         else:
             export_hf(self.model, output_dir)
         if self.args.should_save:
@@ -231,6 +254,17 @@ class ShardedTrainerMixin:
             return super()._load_best_model()
         logger.info("Loading best model from %s (score: %s).", self.state.best_model_checkpoint, self.state.best_metric)
         load_checkpoint(self._sharded_checkpoint(self.state.best_model_checkpoint), self.model)
+
+
+def hf_model(model: ShardedModel):
+    """The HF model a sharded model calls: its module, or the base model of a PEFT model."""
+    inner = model.module
+    return inner.get_base_model() if is_peft(model) else inner
+
+
+def is_peft(model: ShardedModel) -> bool:
+    """Whether a sharded model calls a PEFT model (``yashard.shard(peft_model)``)."""
+    return hasattr(model.module, "peft_config") and hasattr(model.module, "get_base_model")
 
 
 def _hub_free_config(path, args, shard_config):

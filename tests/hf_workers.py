@@ -119,7 +119,7 @@ def accelerate_run(rank, world, engine, out, steps=4, accumulation=2, resume_at=
         opt, loader = acc.prepare(opt, loader)
     sched = acc.prepare(torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9))
     losses, norms = [], []
-    step = 0
+    step, at_save, lr_at_save = 0, None, None
     for batch in loader:
         with acc.accumulate(model):
             loss = model(input_ids=batch, labels=batch).loss
@@ -142,9 +142,25 @@ def accelerate_run(rank, world, engine, out, steps=4, accumulation=2, resume_at=
             acc.load_state(os.path.join(out, "state"))
             assert all(torch.equal(a, b) for a, b in zip(saved, model.parameters()))
             assert opt.param_groups[0]["lr"] != 123.0
+            at_save = model.full_state_dict() if engine != "ddp" else None
+            lr_at_save = sched.get_last_lr()
         if step == steps:
             break
-    return {"losses": losses, "norms": norms}
+    return {"losses": losses, "norms": norms, "at_save": at_save if resume_at and rank == 0 else None,
+            "lr_at_save": lr_at_save}
+
+
+def accelerate_load(rank, world, state_dir):
+    """A fresh yashard.hf.Accelerator at this world size loads what save_state wrote at another."""
+    import yashard.hf
+
+    acc = yashard.hf.Accelerator(cpu=True)
+    model = acc.prepare(models.build("llama", seed=3))
+    opt = acc.prepare(torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1))
+    sched = acc.prepare(torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9))
+    acc.load_state(state_dir)
+    return {"full": model.full_state_dict() if rank == 0 else None, "lr": sched.get_last_lr(),
+            "moments": sum(float(st["exp_avg_sq"].sum()) for st in opt.state.values())}
 
 
 def sft_run(rank, world, engine, out, overrides, peft=False, save_model=None):

@@ -107,6 +107,12 @@ def test_accelerate_loop_matches_ddp_and_save_state_round_trips(tmp_path):
     assert len(got["norms"]) == 4
     for g, w in zip(got["losses"] + got["norms"], want["losses"] + want["norms"]):
         assert close(g, w), (got, want)
+    # what save_state wrote at 2 ranks loads at 1: the same weights, schedule and optimizer state
+    loaded = run_distributed(hf_workers.accelerate_load, 1, str(tmp_path / "y" / "state"))[0]
+    assert loaded["full"].keys() == got["at_save"].keys()
+    for name, w in got["at_save"].items():
+        assert torch.equal(loaded["full"][name], w), name
+    assert loaded["lr"] == got["lr_at_save"] and loaded["lr"][0] < 1e-3 and loaded["moments"] > 0
 
 
 def test_sft_trainer_matches_ddp_with_its_metrics(tmp_path):

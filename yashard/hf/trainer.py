@@ -23,6 +23,7 @@ one for another subclass). The user's ``TrainingArguments`` stay as they are. Wh
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import os
@@ -274,28 +275,44 @@ def _hub_free_config(path, args, shard_config):
     return shard_config_from_args(args, shard_config, int(getattr(text, "num_hidden_layers", 0) or 0))
 
 
+def fused_lm_head_settings(forward) -> dict | None:
+    """The variables of a forward that TRL's ``add_fused_lm_head`` installed (``temperature``,
+    ``outputs``, ...), or None for any other forward."""
+    fn = getattr(forward, "__func__", forward)
+    if fn is None or not hasattr(fn, "__code__"):
+        return None
+    try:  # (TRL's wraps the class's forward, so its own signature is the one not followed through __wrapped__)
+        own = inspect.signature(fn, follow_wrapped=False).parameters
+    except (TypeError, ValueError):
+        return None
+    if "fused_lm_head" not in own:
+        return None
+    return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
+
+
 def replace_fused_lm_head(model) -> None:
     """TRL's ``add_fused_lm_head`` makes ``model(..., fused_lm_head=True)`` run the backbone and read
     ``lm_head.weight`` outside the lm_head's own forward, where a sharded model has no weights. Give
     such a model a forward that returns the same per-token fields (``log_probs``, ``entropy``,
-    ``is_top1``, ``label_mask``, ``loss``) from the model's own logits: the lm_head runs as a unit."""
+    ``log_sum_sq_probs``, ``mean_logits``, ``is_top1``, ``label_mask``, ``loss``, ``aux_loss``) at the
+    same ``temperature``, from the model's own logits: the lm_head runs as a unit."""
     forward = model.__dict__.get("forward") if isinstance(model, ShardedModel) else None
-    if forward is None:
+    settings = fused_lm_head_settings(forward)
+    if settings is None:
         return
-    try:  # (TRL's wraps the class's forward, so its own signature is the one not followed through __wrapped__)
-        own = inspect.signature(getattr(forward, "__func__", forward), follow_wrapped=False).parameters
-    except (TypeError, ValueError):
-        return
-    if "fused_lm_head" not in own:
-        return
+    if not isinstance(settings.get("temperature"), (int, float)) or not isinstance(settings.get("outputs"), tuple):
+        raise NotImplementedError(
+            "this TRL trainer's fused LM head (add_fused_lm_head) is of a version yashard.hf does not know: it reads "
+            "lm_head.weight outside the lm_head's forward, which a sharded model cannot. Use the TRL version in "
+            "yashard's hf extra")
     logger.info("yashard: TRL's fused LM-head loss reads lm_head.weight outside the lm_head's forward, which a sharded "
-                "model cannot; the model's own forward computes the same per-token log-probabilities, entropy and "
-                "top-1 flags from its logits")
-    model.forward = types.MethodType(_logits_fused_forward, model)
+                "model cannot; the model's own forward computes the same per-token fields from its full logits")
+    model.forward = types.MethodType(functools.partial(_logits_fused_forward, temperature=float(settings["temperature"])),
+                                     model)
 
 
-def _logits_fused_forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None,
-                          **kwargs):
+def _logits_fused_forward(self, *args, temperature=1.0, fused_lm_head=False, labels=None, shift_labels=None,
+                          num_items_in_batch=None, **kwargs):
     if not fused_lm_head:
         extra = {k: v for k, v in (("labels", labels), ("shift_labels", shift_labels),
                                    ("num_items_in_batch", num_items_in_batch)) if v is not None}
@@ -303,23 +320,29 @@ def _logits_fused_forward(self, *args, fused_lm_head=False, labels=None, shift_l
     from trl.trainer.utils import FusedCausalLMOutput
 
     kwargs["use_cache"] = False
-    logits = type(self).forward(self, *args, **kwargs).logits
+    out = type(self).forward(self, *args, **kwargs)
+    logits = out.logits
     if shift_labels is None:
         logits, labels = logits[:, :-1], labels[:, 1:]
     else:
         labels = shift_labels
     mask = labels != -100
-    logits = logits.float()
+    logits = logits.float() / temperature
     log_z = torch.logsumexp(logits, dim=-1)
     targets = labels.clamp(min=0)
-    log_probs = (logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_z).masked_fill(~mask, 0)
+    log_p = logits - log_z.unsqueeze(-1)
+    log_probs = log_p.gather(-1, targets.unsqueeze(-1)).squeeze(-1).masked_fill(~mask, 0)
+    entropy = -(log_p.exp() * log_p).sum(-1).masked_fill(~mask, 0)
     with torch.no_grad():
-        probs = torch.softmax(logits, dim=-1)
-        entropy = (log_z - (probs * logits).sum(-1)).masked_fill(~mask, 0)
-        is_top1 = (logits.argmax(-1) == targets) & mask
+        log_sum_sq_probs = torch.logsumexp(2 * log_p, dim=-1).masked_fill(~mask, 0)
+        mean_logits = logits.mean(-1).masked_fill(~mask, 0)
+        is_top1 = (logits.argmax(-1) == targets) & mask  # (argmax: the first of equal maxima, as TRL's)
     loss = -log_probs.sum() / (mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
-    return FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=entropy, log_sum_sq_probs=None,
-                               mean_logits=None, is_top1=is_top1, label_mask=mask, aux_loss=None)
+    aux_loss = getattr(out, "aux_loss", None) if kwargs.get("output_router_logits") else None
+    if aux_loss is not None:
+        loss = loss + getattr(self.config.get_text_config(), "router_aux_loss_coef", 0.0) * aux_loss
+    return FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=entropy, log_sum_sq_probs=log_sum_sq_probs,
+                               mean_logits=mean_logits, is_top1=is_top1, label_mask=mask, aux_loss=aux_loss)
 
 
 class Trainer(ShardedTrainerMixin, transformers.Trainer):

@@ -16,10 +16,13 @@ How a worker measures (as ``phase_memory.py`` and the benchmark do):
 - the peak of each phase is VmHWM, reset through ``/proc/self/clear_refs`` before the phase;
 - ``--steps`` steps run; the figures are the last step's, the maximum over the 2 ranks.
 
-Both engines are built as ``bench_engines`` builds them (FSDP2: ``fully_shard`` on each decoder
-layer, then on the root), with fused AdamW. The estimates come from ``yashard.plan.activations``
-(the activations and yashard's peak) and ``yashard.plan.peers`` (FSDP2's). Every ratio, measured
-over estimated, must lie within 0.9 and 1.1.
+The engines are built as ``bench_engines`` builds them (FSDP2: ``fully_shard`` on each decoder
+layer, then on the root; DeepSpeed: ZeRO-3 with its defaults and ``communication_data_type`` fp32
+in bf16, driven by ``engine.backward`` and ``engine.step``), with fused AdamW. DeepSpeed's one-time
+costs (its imports, the process group it adds, its compiled ops: about 45 MiB) are paid before the
+baseline by one step of a throwaway 1-layer engine. The estimates come from
+``yashard.plan.activations`` (the activations and yashard's peak) and ``yashard.plan.peers``
+(FSDP2's and ZeRO-3's). Every ratio, measured over estimated, must lie within 0.9 and 1.1.
 """
 
 from __future__ import annotations
@@ -40,11 +43,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_engines as be  # noqa: E402
 
 MODELS = {"small": 4, "wide": 1}  # the benchmark's models, at their matrix micro-batch (4x1, 1x1)
-ENGINES = ("yashard", "fsdp2")
+ENGINES = ("yashard", "fsdp2", "deepspeed")
 MiB = 2**20
 
 
-def _prime(shape: dict, dtype: str, micro_batch: int, vocab: int) -> None:
+def _prime(shape: dict, dtype: str, micro_batch: int, vocab: int, engine: str) -> None:
     """Pay the process's one-time costs before the baseline: a step of the unwrapped model in
     ``dtype`` (autograd's threads, kernels' scratch) and one collective of each kind."""
     from yashard import collectives
@@ -64,9 +67,33 @@ def _prime(shape: dict, dtype: str, micro_batch: int, vocab: int) -> None:
     ops = [dist.P2POp(dist.isend, out, (rank + 1) % world), dist.P2POp(dist.irecv, out.clone(), (rank - 1) % world)]
     for w in dist.batch_isend_irecv(ops):
         w.wait()
+    if engine == "deepspeed":  # its imports, its process group and its compiled ops: one step of a 1-layer model
+        tiny = be.model_shape("small", layers=1, hidden=64)
+        eng = be.setup_deepspeed(SimpleNamespace(dtype=dtype, seed=0, micro_batch=1, accum=1, optimizer="adamw-fused"),
+                                 torch.device("cpu"), tiny)
+        eng.model.backward(eng.model(input_ids=ids[:1, :8], labels=ids[:1, :8]).loss)
+        eng.model.step()
+        eng.model.destroy()
+        del eng
     del model, ids, t, out
     gc.collect()
     dist.barrier()
+
+
+def backward(eng, loss) -> None:
+    """The engine's backward: DeepSpeed's through its engine (it scales, reduces and hooks there)."""
+    if eng.name == "deepspeed":
+        eng.model.backward(loss)
+    else:
+        loss.backward()
+
+
+def finish(eng) -> None:
+    """The engine's optimizer step: DeepSpeed's ``engine.step()`` (clip, step, zero the gradients)."""
+    if eng.name == "deepspeed":
+        eng.model.step()
+    else:
+        eng.finish()
 
 
 def worker(args) -> None:
@@ -81,7 +108,7 @@ def worker(args) -> None:
     rank = dist.get_rank()
     shape = be.model_shape(args.model)
     vocab = be.COMMON["vocab_size"]
-    _prime(shape, args.dtype, args.micro_batch, vocab)
+    _prime(shape, args.dtype, args.micro_batch, vocab, args.engine)
     base = mem.now()
     eng = getattr(be, f"setup_{args.engine}")(
         SimpleNamespace(dtype=args.dtype, seed=0, micro_batch=args.micro_batch, accum=1, optimizer="adamw-fused"),
@@ -96,11 +123,11 @@ def worker(args) -> None:
         out = eng.model(input_ids=ids, labels=ids)
         fwd_end, fwd_peak = mem.current(), mem.peak()
         mem.reset_peak()
-        out.loss.backward()
+        backward(eng, out.loss)
         del out
         bwd_end, bwd_peak = mem.current(), mem.peak()
         mem.reset_peak()
-        eng.finish()
+        finish(eng)
         opt_end, opt_peak = mem.current(), mem.peak()
         steps.append([x - base for x in (start, fwd_end, fwd_peak, bwd_end, bwd_peak, opt_end, opt_peak)])
     t = torch.tensor([[built, *s] for s in steps], dtype=torch.float64)
@@ -145,7 +172,7 @@ def estimate(engine: str, model: str, dtype: str, micro_batch: int) -> dict:
     import yashard
     from transformers import LlamaConfig
     from yashard.plan.activations import activations, shape_of, yashard_peak
-    from yashard.plan.peers import fsdp2_forward_end, fsdp2_peak
+    from yashard.plan.peers import deepspeed_forward_end, deepspeed_zero3_peak, fsdp2_forward_end, fsdp2_peak
 
     fields = dict(be.model_shape(model))
     seq = fields.pop("seq")
@@ -156,6 +183,9 @@ def estimate(engine: str, model: str, dtype: str, micro_batch: int) -> dict:
         plan = yashard.plan(cfg, world_size=2, config=yashard.ShardConfig(param_dtype=be.DTYPES[dtype]),
                             backend="gloo")
         return dict(forward=acts.forward_end, peak=yashard_peak(plan.total_bytes + plan.adamw_bytes, shape, acts))
+    if engine == "deepspeed":  # communication_data_type fp32, as bench_engines configures it
+        return dict(forward=deepspeed_forward_end(shape, acts, param_bytes=p),
+                    peak=deepspeed_zero3_peak(shape, acts, world=2, param_bytes=p, reduce_bytes=4, backend="gloo"))
     return dict(forward=fsdp2_forward_end(shape, acts, param_bytes=p),
                 peak=fsdp2_peak(shape, acts, world=2, param_bytes=p, backend="gloo"))
 

@@ -51,6 +51,8 @@ class ModelShape:
     lm_head_numel: int        # 0 when tied to the embedding
     other_numel: int          # the rest: final norm, biases outside the layers
     total_numel: int
+    layer_params: tuple[int, ...] = ()   # the element count of each parameter of one decoder layer
+    other_params: tuple[int, ...] = ()   # of each parameter counted in other_numel
 
 
 def shape_of(model_or_config) -> ModelShape:
@@ -78,12 +80,16 @@ def shape_of(model_or_config) -> ModelShape:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     layer_numel = sum(p.numel() for p in layer_params)
     lm_head = 0 if tied else head.weight.numel()
+    inside = {id(p) for p in layer_params} | {id(embed)} | ({id(head.weight)} if head is not None else set())
+    in_layers = {id(p) for block in model.model.layers for p in block.parameters()}
+    other = tuple(p.numel() for p in model.parameters() if id(p) not in inside and id(p) not in in_layers)
     return ModelShape(
         hidden=cfg.hidden_size, intermediate=cfg.intermediate_size, layers=layers, heads=heads,
         kv_heads=getattr(cfg, "num_key_value_heads", None) or heads, head_dim=head_dim, vocab=cfg.vocab_size,
         tied=tied, layer_numel=layer_numel, layer_matrix_numel=sum(p.numel() for p in layer_params if p.dim() >= 2),
         largest_matrix=max(p.numel() for p in layer_params), embed_numel=embed.numel(), lm_head_numel=lm_head,
-        other_numel=total - layers * layer_numel - embed.numel() - lm_head, total_numel=total)
+        other_numel=total - layers * layer_numel - embed.numel() - lm_head, total_numel=total,
+        layer_params=tuple(p.numel() for p in layer_params), other_params=other)
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from ..patch.spec import resolve_spec
 from ..quant import packed_nbytes, qwz_workspace_nbytes
 from ..zeropp import qgz_fallback_reason
 from .activations import ModelShape
-from .peers import DS_PERSISTENCE_THRESHOLD, deepspeed_kept_layers
+from .peers import deepspeed_gathered_numel, deepspeed_kept_layers
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 
@@ -148,21 +148,22 @@ def peer_collectives(shape: ModelShape, *, world: int, param_bytes: int, reduce_
         return tuple(out)
     if engine != "deepspeed-zero3":
         raise ValueError(f"engine={engine!r}: fsdp2 or deepspeed-zero3")
-    layer = shape.layer_matrix_numel  # its 1-D parameters are under the persistence threshold
-    if shape.embed_numel >= DS_PERSISTENCE_THRESHOLD:
-        out.append(Collective("all_gather", "forward", "embed", "world", w, shape.embed_numel, shape.embed_numel * p))
+    layer, embed, head = deepspeed_gathered_numel(shape)  # the rest stays whole: never gathered
+    if embed:
+        out.append(Collective("all_gather", "forward", "embed", "world", w, embed, embed * p))
     for k in range(shape.layers):
         out.append(Collective("all_gather", "forward", f"layer_{k}", "world", w, layer, layer * p))
-    if shape.lm_head_numel:
-        out.append(Collective("all_gather", "forward", "lm_head", "world", w, shape.lm_head_numel,
-                              shape.lm_head_numel * p))
+    if head:
+        out.append(Collective("all_gather", "forward", "lm_head", "world", w, head, head * p))
     kept = deepspeed_kept_layers(shape)
     for k in reversed(range(shape.layers)):
         if k < shape.layers - kept:  # released after its forward: gathered again
             out.append(Collective("all_gather", "backward", f"layer_{k}", "world", w, layer, layer * p))
-        out.append(Collective("reduce_scatter", "backward", f"layer_{k}", "world", w, layer, layer * r))
-    out.append(Collective("reduce_scatter", "backward", "embed+lm_head", "world", w,
-                          shape.embed_numel + shape.lm_head_numel, (shape.embed_numel + shape.lm_head_numel) * r))
+        # every gradient goes through the bucket, the persistent parameters' included
+        out.append(Collective("reduce_scatter", "backward", f"layer_{k}", "world", w, shape.layer_numel,
+                              shape.layer_numel * r))
+    rest = shape.total_numel - shape.layers * shape.layer_numel
+    out.append(Collective("reduce_scatter", "backward", "embed+lm_head", "world", w, rest, rest * r))
     return tuple(out)
 
 

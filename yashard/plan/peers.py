@@ -27,17 +27,17 @@ lm_head). :func:`fsdp2_peak` replays one training step, allocation by allocation
 - over gloo, both collectives stage a temporary the size of the unsharded tensor (measured with
   ``recipes/plan_check.py``); NCCL does not.
 
-**DeepSpeed ZeRO-3**: :func:`deepspeed_zero3_peak` takes the model states from DeepSpeed's own
-estimator, ``deepspeed.runtime.zero.stage3.estimate_zero3_model_states_mem_needs`` without offload:
-``4 * largest_layer_params + 18 * N/W``, where a "layer" is the module with the most parameters of
-its own (for Llama, the embedding or the lm_head). On top come the stage-3 defaults of
+**DeepSpeed ZeRO-3** (0.19.8, stage-3 defaults, a client AdamW): :func:`deepspeed_zero3_peak`
+counts what ``DeepSpeedZeroOptimizer_Stage3`` and its parameter coordinator allocate (the rules are
+in its docstring and :func:`deepspeed_state_bytes`'s), with the defaults of
 ``deepspeed/runtime/zero/config.py``: parameters under ``stage3_param_persistence_threshold`` (1e5
 elements) stay whole on every rank; ``stage3_prefetch_bucket_size`` (5e7 elements) of gathered
-parameters run ahead of the module in use; ``reduce_bucket_size`` (5e8 elements) is the gradient
-reduction buffer; ``stage3_max_live_parameters`` (1e9) caps the gathered parameters, and a layer
-stays gathered from its forward to its backward when fewer than ``stage3_max_reuse_distance`` (1e9)
-parameters are fetched in between. Not measured
-here: DeepSpeed is not installed on the check machine.
+parameters run ahead; a gathered module stays gathered until its next use when that comes within
+``stage3_max_reuse_distance`` (1e9) elements of the trace; ``stage3_max_live_parameters`` (1e9)
+caps the gathered parameters; gradients go through a ``reduce_bucket_size`` (5e8 elements)
+bucket. Measured on CPU at world 2 (``recipes/plan_check.py``): within 3% on the benchmark models.
+DeepSpeed's own estimator (:func:`deepspeed_estimator_bytes`, ``18 N/W`` plus the largest layer)
+leaves out the bucket, the persistent parameters and the gathered ones, and is kept for reference.
 """
 
 from __future__ import annotations
@@ -148,39 +148,125 @@ def fsdp2_forward_end(shape: ModelShape, acts: Activations, *, param_bytes: int)
 
 def deepspeed_estimator_bytes(shape: ModelShape, world: int) -> int:
     """DeepSpeed's own estimate of ZeRO-3's model states per GPU without offload
-    (``estimate_zero3_model_states_mem_needs``): ``4 * largest_layer_params + 18 * N/W``."""
+    (``estimate_zero3_model_states_mem_needs``): ``4 * largest_layer_params + 18 * N/W``. Printed
+    for reference; :func:`deepspeed_zero3_peak` counts what ZeRO-3 really allocates."""
     largest = max(shape.embed_numel, shape.lm_head_numel, shape.largest_matrix)
     return 4 * largest + 18 * shape.total_numel // world
 
 
+def _persistent(numel: int) -> bool:
+    """Kept whole on every rank, never gathered: under ``stage3_param_persistence_threshold``."""
+    return numel < DS_PERSISTENCE_THRESHOLD
+
+
+def deepspeed_gathered_numel(shape: ModelShape) -> tuple[int, int, int]:
+    """Elements ZeRO-3 gathers for one decoder layer, the embedding and the lm_head (the
+    parameters at or above the persistence threshold)."""
+    layer = sum(n for n in shape.layer_params if not _persistent(n)) if shape.layer_params else shape.layer_matrix_numel
+    return (layer, 0 if _persistent(shape.embed_numel) else shape.embed_numel,
+            0 if _persistent(shape.lm_head_numel) else shape.lm_head_numel)
+
+
+def deepspeed_persistent_numel(shape: ModelShape) -> int:
+    """Elements every rank holds whole: the parameters under the persistence threshold."""
+    layer, embed, head = deepspeed_gathered_numel(shape)
+    return shape.total_numel - shape.layers * layer - embed - head
+
+
 def deepspeed_kept_layers(shape: ModelShape) -> int:
     """How many of the last layers ZeRO-3 keeps gathered from their forward to their backward:
-    those with fewer than ``stage3_max_reuse_distance`` parameters fetched in between (the layers
-    above them and the lm_head, twice)."""
+    those whose next use comes before ``stage3_max_reuse_distance`` elements of the step's trace
+    (the layers above them and the lm_head, forward and backward)."""
     between, kept = shape.lm_head_numel, 0
     for _ in range(shape.layers):
         if 2 * between > DS_MAX_REUSE_DISTANCE:
             break
         kept += 1
-        between += shape.layer_matrix_numel
+        between += shape.layer_numel
     return kept
 
 
-def deepspeed_zero3_peak(shape: ModelShape, acts: Activations, *, world: int, param_bytes: int) -> Peak:
-    """ZeRO-3's peak per rank: DeepSpeed's estimator for the model states, the replicated small
-    parameters, the gathered parameters (the module in use plus the prefetch bucket, capped by
-    ``stage3_max_live_parameters``) and the last layers kept for their backward, the reduce bucket in ``param_bytes``, and the activations as
-    for the other engines (the largest of the loss's backward and a layer's weight gradients)."""
+def deepspeed_state_bytes(shape: ModelShape, *, world: int, param_bytes: int, reduce_bytes: int,
+                          backend: str = "nccl") -> int:
+    """What ZeRO-3 holds between steps (``DeepSpeedZeroOptimizer_Stage3``, DeepSpeed 0.19.8):
+    the parameter partitions in ``p`` (``lp_param_buffer``), an fp32 master copy (a separate copy
+    in fp32 too: ``self.device`` is a string, so the dtype-and-device test that would share it
+    fails), the gradient partitions in the gradient accumulation dtype, ``p`` by default
+    (``grad_partitions_flat_buffer``), AdamW's two fp32 moments, ``(2p + 12) N/W``; the
+    persistent parameters whole, ``p`` each; and the gradient bucket, ``torch.empty(reduce_bucket_size)``
+    in the communication dtype: allocated whole on a GPU, on the CPU resident only as far as
+    gradients were written into it (every gradient of the step, up to the bucket's size)."""
+    p, r = param_bytes, reduce_bytes
+    bucket = DS_REDUCE_BUCKET if backend == "nccl" else min(DS_REDUCE_BUCKET, shape.total_numel)
+    return (2 * p + 12) * shape.total_numel // world + deepspeed_persistent_numel(shape) * p + bucket * r
+
+
+def deepspeed_zero3_peak(shape: ModelShape, acts: Activations, *, world: int, param_bytes: int,
+                         reduce_bytes: int | None = None, backend: str = "nccl") -> Peak:
+    """ZeRO-3's peak per rank with its stage-3 defaults and a client AdamW (DeepSpeed 0.19.8):
+    the state (:func:`deepspeed_state_bytes`), then the moments of a step.
+
+    - Forward: each module's parameters are gathered, ``p`` each, and stay gathered into the
+      backward when their next use is under ``stage3_max_reuse_distance`` elements away (the last
+      layers and the lm_head; on small models everything); ``stage3_prefetch_bucket_size``
+      elements of the others run ahead; ``stage3_max_live_parameters`` caps the total.
+    - Backward: a module's gathered parameters are released after its backward (their next use is
+      the next step). Its weight gradients, ``p`` each, are copied into the bucket and freed.
+    - The bucket is reduce-scattered when full and at the backward's end (``reduce_scatter_coalesced``):
+      its interleaved copy (``torch.cat``), bucket x ``r``, and over gloo a staging copy as large.
+    - The optimizer step: the fp32 gradient partition (``flatten(...).to(fp32)``), ``4 N/W``, and
+      in a low-precision dtype the flattened copy before the cast, ``p N/W``.
+
+    ``reduce_bytes``: the communication dtype's size (``communication_data_type``; DeepSpeed's
+    default is the model's dtype). Measured on CPU: ``recipes/plan_check.py``."""
     p = param_bytes
-    state = deepspeed_estimator_bytes(shape, world)
-    small = (shape.layer_numel - shape.layer_matrix_numel) * shape.layers + shape.other_numel
-    kept = deepspeed_kept_layers(shape) * shape.layer_matrix_numel
-    live = min(DS_MAX_LIVE_PARAMETERS, kept + max(shape.embed_numel, shape.lm_head_numel, shape.layer_numel)
-               + DS_PREFETCH_BUCKET) * p
-    bucket = min(DS_REDUCE_BUCKET, shape.total_numel) * p
-    base = state + small * p + bucket
-    fwd = base + acts.forward_end
-    moments = (Moment("forward end", fwd + live + acts.loss_forward),
-               Moment("loss backward", fwd + live + acts.loss_backward),
-               Moment("layer backward", base + live + acts.forward_end - acts.head + acts.layer_grads + acts.mlp_backward))
-    return Peak("deepspeed-zero3", moments, state + small * p + bucket)
+    r = p if reduce_bytes is None else reduce_bytes
+    gloo = backend == "gloo" and world > 1
+    state = deepspeed_state_bytes(shape, world=world, param_bytes=p, reduce_bytes=r, backend=backend)
+    layer, embed, head = deepspeed_gathered_numel(shape)
+    kept = deepspeed_kept_layers(shape)
+    embed_kept = 2 * (shape.layers * shape.layer_numel + shape.lm_head_numel) <= DS_MAX_REUSE_DISTANCE
+    released = shape.layers - kept
+
+    def live(numel: int) -> int:
+        return min(DS_MAX_LIVE_PARAMETERS, numel) * p
+
+    # at the forward's end: the kept layers, the lm_head, the embedding if kept, and the prefetch
+    # of the first layers the backward re-gathers
+    fwd_gathered = live(kept * layer + head + (embed if embed_kept else 0) + min(DS_PREFETCH_BUCKET, released * layer))
+    fwd = state + acts.forward_end
+    moments = [Moment("forward end", fwd + fwd_gathered + acts.loss_forward),
+               Moment("loss backward", fwd + fwd_gathered + acts.loss_backward)]
+    below, bucket = acts.layers_kept, head
+    mlp = min(3 * shape.largest_matrix, shape.layer_matrix_numel) * p
+    full = DS_REDUCE_BUCKET
+    for k in reversed(range(shape.layers)):
+        below -= acts.kept(k)
+        # gathered: this layer, the kept layers under it, the embedding if kept, and the prefetch
+        # of the released layers under it
+        under_released = max(0, min(k, released))
+        under_kept = k - under_released
+        gathered = live(layer + under_kept * layer + (embed if embed_kept else 0)
+                        + min(DS_PREFETCH_BUCKET, under_released * layer))
+        base = state + below + acts.logits + gathered
+        moments.append(Moment(f"layer {k} backward", base + max(acts.layer + mlp + acts.mlp_backward,
+                                                                acts.layer_grads + 2 * acts.io)))
+        if bucket + shape.layer_numel > full:  # the bucket is full: reduce-scattered before this layer's gradients
+            moments.append(Moment(f"layer {k} backward: bucket reduce-scatter",
+                                  base + acts.kept(k) + full * r * (2 if gloo else 1)))
+            bucket = 0
+        bucket += shape.layer_numel
+    bucket += shape.embed_numel + shape.other_numel
+    moments.append(Moment("backward end: bucket reduce-scatter", state + min(bucket, full) * r * (2 if gloo else 1)))
+    n_w = shape.total_numel // world
+    moments.append(Moment("optimizer step", state + 4 * n_w + (p * n_w if p != 4 else 0)))
+    return Peak("deepspeed-zero3", tuple(moments), state)
+
+
+def deepspeed_forward_end(shape: ModelShape, acts: Activations, *, param_bytes: int) -> int:
+    """What ZeRO-3 adds from a step's start to its forward's end: the activations and the
+    parameters it keeps gathered for the backward (on models whose whole trace is under
+    ``stage3_max_reuse_distance``: every gathered parameter)."""
+    peak = deepspeed_zero3_peak(shape, acts, world=1, param_bytes=param_bytes)
+    state = peak.state
+    return next(m.bytes for m in peak.moments if m.name == "forward end") - state - acts.loss_forward

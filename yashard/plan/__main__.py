@@ -105,7 +105,7 @@ def largest_micro_batch(peak_of, gpu_memory: int, limit: int = 1 << 16) -> int:
 
 
 def peaks_report(model, result: MemoryPlan, config: ShardConfig, world: int, *, seq: int, micro_batch: int,
-                 checkpoint: int, attention: str, gpu_memory: int | None) -> str:
+                 checkpoint: int, attention: str, gpu_memory: int | None, backend: str = "nccl") -> str:
     """The activation estimate and the peaks of yashard, FSDP2 and ZeRO-3, with the largest
     micro-batch that fits ``gpu_memory``. The peers shard over all ``world`` ranks."""
     shape = shape_of(model)
@@ -119,8 +119,10 @@ def peaks_report(model, result: MemoryPlan, config: ShardConfig, world: int, *, 
 
     engines = {
         "yashard": lambda mb: yashard_peak(state, shape, acts_of(mb)),
-        "FSDP2": lambda mb: fsdp2_peak(shape, acts_of(mb), world=world, param_bytes=p, reduce_bytes=r),
-        "DeepSpeed ZeRO-3": lambda mb: deepspeed_zero3_peak(shape, acts_of(mb), world=world, param_bytes=p),
+        "FSDP2": lambda mb: fsdp2_peak(shape, acts_of(mb), world=world, param_bytes=p, reduce_bytes=r,
+                                       backend=backend),
+        "DeepSpeed ZeRO-3": lambda mb: deepspeed_zero3_peak(shape, acts_of(mb), world=world, param_bytes=p,
+                                                            reduce_bytes=r, backend=backend),
     }
     acts = acts_of(micro_batch)
     lines = [f"activations, micro-batch {micro_batch} x {seq} tokens, {checkpoint} checkpointed layers, {attention}:",
@@ -136,8 +138,8 @@ def peaks_report(model, result: MemoryPlan, config: ShardConfig, world: int, *, 
         if gpu_memory:
             line += f"  {'yes' if peak.bytes <= gpu_memory else 'no':<4}  {largest_micro_batch(lambda mb: peak_of(mb).bytes, gpu_memory)}"
         lines.append(line)
-    lines.append("  state: held between steps (yashard: plan + AdamW; FSDP2: fp32 shards + AdamW; ZeRO-3: DeepSpeed's "
-                 "estimator + its buffers)")
+    lines.append("  state: held between steps (yashard: plan + AdamW; FSDP2: fp32 shards + AdamW; ZeRO-3: its "
+                 "partitions, fp32 masters, gradient partitions, AdamW, persistent parameters and gradient bucket)")
     return "\n".join(lines)
 
 
@@ -225,22 +227,57 @@ def main(argv: list[str] | None = None) -> int:
     if args.config not in PRESETS and not os.path.exists(args.config):
         p.error(f"--config {args.config}: neither a preset ({', '.join(PRESETS)}) nor an existing config.json or "
                 "folder")
-    source = preset_config(args.config) if args.config in PRESETS else args.config
-    config = ShardConfig(param_dtype=dtypes[args.param_dtype], reduce_dtype=dtypes[args.reduce_dtype],
-                         shard_group_size=args.shard_group_size, secondary_group_size=args.secondary_group_size,
-                         quantized_weights=args.quantized_weights, reshard_after_forward=not args.no_reshard)
-    config = replace(config, checkpoint_layers=args.checkpoint_layers)
-    model = _meta_model(source)
-    result = plan(model, world_size=args.world, config=config, backend=args.backend)
+    if args.world < 1:
+        p.error(f"--world {args.world}: the number of data-parallel ranks, use 1 or more")
+    try:
+        source = preset_config(args.config) if args.config in PRESETS else args.config
+        model = _meta_model(source)
+    except (ValueError, OSError) as e:
+        p.error(f"--config {args.config}: {_one_line(e)}")
+    layers = getattr(model.config, "num_hidden_layers", None)
+    if layers is not None and args.checkpoint_layers > layers:
+        p.error(f"--checkpoint-layers {args.checkpoint_layers}: the model has {layers} decoder layers; use a value "
+                f"between 0 and {layers}")
+    try:
+        config = ShardConfig(param_dtype=dtypes[args.param_dtype], reduce_dtype=dtypes[args.reduce_dtype],
+                             shard_group_size=args.shard_group_size, secondary_group_size=args.secondary_group_size,
+                             quantized_weights=args.quantized_weights, reshard_after_forward=not args.no_reshard,
+                             checkpoint_layers=args.checkpoint_layers)
+        result = plan(model, world_size=args.world, config=config, backend=args.backend)
+        # (refuses a model family the activation estimate cannot model)
+        activations(shape_of(model), seq=args.seq_len, micro_batch=args.micro_batch,
+                    param_bytes=dtype_bytes(config.param_dtype), checkpoint_layers=args.checkpoint_layers,
+                    attention=args.attention)
+    except ValueError as e:
+        p.error(_as_flags(_one_line(e)))
     print(f"{args.config}: param_dtype {dtype_name(config.param_dtype)}, reduce_dtype "
           f"{dtype_name(config.wire_dtype)}, backend {args.backend}")
     print(report(result, args.gpu_memory))
     print(peaks_report(model, result, config, args.world, seq=args.seq_len, micro_batch=args.micro_batch,
-                       checkpoint=args.checkpoint_layers, attention=args.attention, gpu_memory=args.gpu_memory))
+                       checkpoint=args.checkpoint_layers, attention=args.attention, gpu_memory=args.gpu_memory,
+                       backend=args.backend))
     print(comm_report(model, config, args.world, tokens=args.seq_len * args.micro_batch, checkpoint=args.checkpoint_layers,
                       bandwidth=args.bandwidth, node_bandwidth=args.node_bandwidth or args.bandwidth,
                       ranks_per_node=args.ranks_per_node, tflops=args.tflops, mfu=args.mfu))
     return 0
+
+
+# ShardConfig's fields as the command line names them, for its error messages.
+_FLAGS = {"checkpoint_layers": "--checkpoint-layers", "shard_group_size": "--shard-group-size",
+          "secondary_group_size": "--secondary-group-size", "quantized_weights": "--quantized-weights",
+          "param_dtype": "--param-dtype", "reduce_dtype": "--reduce-dtype", "reshard_after_forward=False": "--no-reshard"}
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split())
+
+
+def _as_flags(message: str) -> str:
+    """A ShardConfig or plan error with its fields named as the command line's flags."""
+    message = message.replace("ShardConfig.", "")
+    for field, flag in _FLAGS.items():
+        message = re.sub(rf"\b{re.escape(field)}\b", flag, message)
+    return message
 
 
 def _meta_model(source):

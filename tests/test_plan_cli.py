@@ -1,0 +1,46 @@
+"""``python -m yashard.plan`` turns a bad config into a usage error: exit code 2 and one line that
+names the flag and the fix, no traceback."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--checkpoint-layers", "1000"], "--checkpoint-layers 1000: the model has 32 decoder layers; use a value between 0 "
+                                      "and 32"),
+    (["--shard-group-size", "3"], "--shard-group-size=3 does not divide the world size 8; use a divisor of 8"),
+    (["--shard-group-size", "8", "--secondary-group-size", "3"], "--secondary-group-size=3 does not divide"),
+    (["--secondary-group-size", "2", "--no-reshard"], "drop --secondary-group-size"),
+    (["--param-dtype", "bf16", "--reduce-dtype", "fp16"], "--reduce-dtype=float16 cannot carry gradients"),
+    (["--world", "0"], "--world 0: the number of data-parallel ranks, use 1 or more"),
+])
+def test_a_bad_config_is_a_usage_error(args, message, capsys):
+    from yashard.plan.__main__ import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--config", "llama-3-8b", "--world", "8", *args])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()[-1]) > len(message)
+
+
+def test_an_unreadable_config_is_a_usage_error(tmp_path, capsys):
+    from yashard.plan.__main__ import main
+
+    (tmp_path / "config.json").write_text('{"model_type": "no-such-family"}')
+    with pytest.raises(SystemExit) as e:
+        main(["--config", str(tmp_path), "--world", "8"])
+    assert e.value.code == 2 and f"--config {tmp_path}: " in capsys.readouterr().err
+
+
+def test_the_process_exits_2_with_one_line():
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    out = subprocess.run([sys.executable, "-m", "yashard.plan", "--config", "llama-3-8b", "--world", "8",
+                          "--checkpoint-layers", "1000"], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 2 and "Traceback" not in out.stderr and out.stdout == ""
+    assert out.stderr.strip().splitlines()[-1] == (
+        "python -m yashard.plan: error: --checkpoint-layers 1000: the model has 32 decoder layers; use a value "
+        "between 0 and 32")

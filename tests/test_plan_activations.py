@@ -39,6 +39,32 @@ def test_activations_are_what_autograd_keeps(attention, dtype):
     assert _kept_bytes(model, ids) == acts.forward_end
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family, overrides", [
+    ("mistral", {}),
+    ("qwen2", {}),
+    ("qwen3", {"head_dim": 24}),                               # q/k norms; head_dim != hidden / heads
+    ("qwen3", {"head_dim": 24, "tie_word_embeddings": True}),
+    ("gemma", {"head_dim": 24}),                               # embedding scale, (1 + w) norms, tied
+])
+def test_activations_of_other_families_are_what_autograd_keeps(family, overrides, attention, dtype):
+    model = build(family, hidden_size=64, intermediate_size=176, num_attention_heads=4, num_key_value_heads=2,
+                  attn_implementation=attention, **overrides).to(dtype).train()
+    shape = shape_of(model)
+    assert shape.tied == model.config.tie_word_embeddings and shape.head_dim == overrides.get("head_dim", 16)
+    for batch, seq in ((3, 40), (2, 24)):
+        ids = torch.randint(0, model.config.vocab_size, (batch, seq))
+        acts = activations(shape, seq=seq, micro_batch=batch, param_bytes=dtype.itemsize, attention=attention)
+        assert _kept_bytes(model, ids) == acts.forward_end, (batch, seq)
+
+
+def test_a_family_the_estimate_cannot_model_is_refused():
+    shape = shape_of(build("gemma2"))
+    with pytest.raises(ValueError, match=r"not model_type='gemma2'.*estimate its activations by measuring"):
+        activations(shape, seq=8, micro_batch=1, param_bytes=4)
+
+
 def test_checkpointed_layers_keep_their_input():
     shape = shape_of(build("llama"))
     full = activations(shape, seq=64, micro_batch=2, param_bytes=2)

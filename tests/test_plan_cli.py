@@ -36,6 +36,16 @@ def test_an_unreadable_config_is_a_usage_error(tmp_path, capsys):
     assert e.value.code == 2 and f"--config {tmp_path}: " in capsys.readouterr().err
 
 
+def test_a_family_the_activation_estimate_cannot_model_is_a_usage_error(tmp_path, capsys):
+    from models import tiny_config
+    from yashard.plan.__main__ import main
+
+    tiny_config("gemma2").save_pretrained(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main(["--config", str(tmp_path), "--world", "2"])
+    assert e.value.code == 2 and "not model_type='gemma2'" in capsys.readouterr().err
+
+
 def test_the_process_exits_2_with_one_line():
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     out = subprocess.run([sys.executable, "-m", "yashard.plan", "--config", "llama-3-8b", "--world", "8",

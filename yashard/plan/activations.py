@@ -1,8 +1,9 @@
 """Activation memory of one training micro-batch, and the peak it implies for yashard (issue 36).
 
 A pure function of the model's shapes: what autograd keeps from the forward to the backward, and
-the transients of the backward, for Llama-style decoders (Llama, Mistral, Qwen2: RMSNorm, rotary
-attention, a gated MLP, an untied or tied lm_head, transformers' causal-LM loss). Notation: ``n =
+the transients of the backward, for Llama-style decoders (Llama, Mistral, Qwen2, Qwen3, Gemma:
+RMSNorm, rotary attention, a gated MLP, an untied or tied lm_head, transformers' causal-LM loss;
+other model types are refused, :data:`FAMILIES`). Notation: ``n =
 micro_batch * seq`` tokens, ``p`` bytes per element of the compute dtype, ``h`` hidden size,
 ``i`` intermediate size, ``V`` vocabulary, ``H``/``K`` attention/key-value heads of size ``d``.
 
@@ -16,7 +17,11 @@ What one decoder layer keeps, by op (counted with a saved-tensor hook on transfo
 - attention, ``eager``: q, and k and v repeated to ``H`` heads, ``n*H*d*p`` each; the softmax
   probabilities ``b*H*s*s*4`` and their copy in ``p`` when ``p`` is not 4; the output, ``n*H*d*p``;
 - the MLP: gate output, its activation, up output and their product, ``4*n*i*p``;
-- a checkpointed layer keeps only its input, ``n*h*p``, and recomputes the rest in its backward.
+- a checkpointed layer keeps only its input, ``n*h*p``, and recomputes the rest in its backward;
+- Qwen3 normalises q and k per head: its input in fp32 and its output in ``p``, ``n*(H+K)*d*(4+p)``,
+  and the inverse roots, ``n*(H+K)*4``; ``d`` is the config's ``head_dim``, not ``h/H``;
+- Gemma's RMSNorm keeps its normalised input in fp32, ``n*h*4`` instead of ``n*h*p``, and its
+  ``1 + weight`` in fp32, ``h*4``; its embedding scale keeps a scalar in ``p``; it ties the lm_head.
 
 The head keeps the final norm's tensors, as above, and the log-probabilities ``n*V*4``: the loss
 upcasts the logits. The logits themselves, ``n*V*p``, stay alive with the model's output. Shared
@@ -29,6 +34,8 @@ import os
 from dataclasses import dataclass
 
 ATTENTION = ("sdpa", "flash_attention_2", "eager")
+# The model types whose layers keep what :func:`activations` counts; others are refused.
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
 
 
 @dataclass(frozen=True)
@@ -53,6 +60,7 @@ class ModelShape:
     total_numel: int
     layer_params: tuple[int, ...] = ()   # the element count of each parameter of one decoder layer
     other_params: tuple[int, ...] = ()   # of each parameter counted in other_numel
+    family: str = "llama"                # the config's model_type
 
 
 def shape_of(model_or_config) -> ModelShape:
@@ -89,7 +97,8 @@ def shape_of(model_or_config) -> ModelShape:
         tied=tied, layer_numel=layer_numel, layer_matrix_numel=sum(p.numel() for p in layer_params if p.dim() >= 2),
         largest_matrix=max(p.numel() for p in layer_params), embed_numel=embed.numel(), lm_head_numel=lm_head,
         other_numel=total - layers * layer_numel - embed.numel() - lm_head, total_numel=total,
-        layer_params=tuple(p.numel() for p in layer_params), other_params=other)
+        layer_params=tuple(p.numel() for p in layer_params), other_params=other,
+        family=getattr(cfg, "model_type", None) or "")
 
 
 @dataclass(frozen=True)
@@ -131,20 +140,28 @@ def activations(shape: ModelShape, *, seq: int, micro_batch: int, param_bytes: i
         raise ValueError(f"attention={attention!r}: the estimate knows {', '.join(map(repr, ATTENTION))}")
     if min(seq, micro_batch, param_bytes) < 1 or checkpoint_layers < 0:
         raise ValueError("seq, micro_batch and param_bytes must be >= 1, checkpoint_layers >= 0")
+    if shape.family not in FAMILIES:
+        raise ValueError(f"the activation estimate models {', '.join(FAMILIES)} decoders, not model_type="
+                         f"{shape.family!r} (its norms, attention or MLP keep other tensors); estimate its "
+                         "activations by measuring one step")
     n, p, h, i = micro_batch * seq, param_bytes, shape.hidden, shape.intermediate
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    norm = n * h * 4 + 2 * n * h * p + n * 4
+    gemma = shape.family == "gemma"
+    # Gemma's RMSNorm keeps its normalised input in fp32 (not in p) and its (1 + weight) in fp32
+    norm = n * h * 4 + (n * h * 4 if gemma else n * h * p) + n * h * p + n * 4 + (h * 4 if gemma else 0)
     if attention == "eager":
         repeated = q if shape.kv_heads != shape.heads else kv
         probs = micro_batch * shape.heads * seq * seq
         attn = n * q * p + 2 * n * repeated * p + probs * 4 + (probs * p if p != 4 else 0) + n * q * p
     else:
         attn = n * q * p + 2 * n * kv * p + n * q * p + micro_batch * shape.heads * seq * 4
+    if shape.family == "qwen3":  # q and k normalised per head: the input in fp32, the output in p, a root per row
+        attn += n * (q + kv) * (4 + p) + n * (shape.heads + shape.kv_heads) * 4
     layer = 2 * norm + attn + 4 * n * i * p
     v = shape.vocab
     return Activations(
         tokens=n, layer=layer, checkpointed=n * h * p, checkpoint_layers=min(checkpoint_layers, shape.layers),
-        layers=shape.layers, head=norm + n * v * 4 + 16 * n + 2 * seq * shape.head_dim * p + 4, logits=n * v * p, loss_forward=n * v * 4 if p != 4 else 0,
+        layers=shape.layers, head=norm + n * v * 4 + 16 * n + 2 * seq * shape.head_dim * p + 4 + (p if gemma else 0), logits=n * v * p, loss_forward=n * v * 4 if p != 4 else 0,
         loss_backward=2 * n * v * 4, layer_grads=shape.layer_matrix_numel * p, mlp_backward=2 * n * i * p, io=n * h * p)
 
 

@@ -1,6 +1,7 @@
 """The communication plan (``yashard.plan.comm``) against the runtime's own ``CollectiveLog``: one
 logged step of a tiny model at world 2, for the default config and each ZeRO++ variant the runtime
-runs on CPU; the byte counts and message sizes agree collective for collective."""
+runs on CPU, tied embeddings (Gemma), frozen units and gradient accumulation; the byte counts and
+message sizes agree collective for collective."""
 
 from collections import Counter
 
@@ -26,6 +27,16 @@ MODES = {
     "qgZ across nodes": ({"hook": "qgz", "hook_kw": {"ranks_per_node": 1, "bits": 8, "block": 64}}, {},
                          Qgz(1, 8, 64)),
     "qgZ in a node": ({"hook": "qgz", "hook_kw": {"ranks_per_node": 2, "bits": 4, "block": 64}}, {}, Qgz(2, 4, 64)),
+    # tied embeddings (Gemma), frozen units, gradient accumulation (a reduction per micro-batch)
+    "tied": ({"family": "gemma"}, {}, None),
+    "frozen": ({"freeze": ("embed_tokens", "layers.1.", "layers.3.")}, {}, None),
+    "frozen, no reshard": ({"freeze": ("layers.1.", "layers.3."), "shard_kw": {"reshard_after_forward": False}},
+                           {"reshard_after_forward": False}, None),
+    "accumulation": ({"accum": 3}, {}, None),
+    "tied, frozen, accumulation": ({"family": "gemma", "freeze": ("layers.0.",), "accum": 2}, {}, None),
+    "frozen, accumulation, no reshard": ({"freeze": ("layers.0.",), "accum": 2,
+                                         "shard_kw": {"reshard_after_forward": False}},
+                                        {"reshard_after_forward": False}, None),
 }
 PHASES = {"pre": "forward", "fwd": "forward", "bwd": "backward"}
 
@@ -38,20 +49,31 @@ def logs():
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_planned_collectives_are_the_logged_ones(logs, mode):
-    _, kw, qgz = MODES[mode]
+    run, kw, qgz = MODES[mode]
     config = yashard.ShardConfig(**kw)
     shard = config.shard_group_size or 2
-    planned = yashard_collectives(unit_sizes(build("llama"), config, shard), world=2, config=config, qgz=qgz)
+    model = build(run.get("family", "llama"))
+    for name, p in model.named_parameters():
+        if any(f in name for f in run.get("freeze", ())):
+            p.requires_grad_(False)
+    planned = yashard_collectives(unit_sizes(model, config, shard), world=2, config=config, qgz=qgz,
+                                  micro_batches=run.get("accum", 1))
     logged = Counter((PHASES[ph], op, unit, group, numel, nbytes) for ph, op, unit, numel, nbytes, group in logs[mode]["log"])
     assert Counter((c.phase, c.kind, c.unit, c.group, c.numel, c.nbytes) for c in planned) == logged
 
 
 def test_summaries_and_peers():
+    from yashard.plan.presets import preset_config
+
     shape = shape_of(build("llama"))
+    big = shape_of(preset_config("llama-3-8b"))
     for engine in ("fsdp2", "deepspeed-zero3"):
-        cs = peer_collectives(shape, world=4, param_bytes=2, engine=engine)
+        cs = peer_collectives(big, world=4, param_bytes=2, engine=engine)
         kinds = {s.kind: s for s in summarize(cs)}
-        assert kinds["all_gather"].count >= shape.layers + 1 and kinds["reduce_scatter"].sent > 0
+        assert kinds["all_gather"].count >= big.layers + 1 and kinds["reduce_scatter"].sent > 0
+    # ZeRO-3 keeps parameters under 1e5 elements whole: a tiny model gathers nothing, and reduces everything
+    tiny = {s.kind: s for s in summarize(peer_collectives(shape, world=4, param_bytes=2, engine="deepspeed-zero3"))}
+    assert "all_gather" not in tiny and tiny["reduce_scatter"].nbytes == 4 * shape.total_numel  # (fp32)
     fsdp2 = {s.kind: s for s in summarize(peer_collectives(shape, world=4, param_bytes=2))}
     # every layer gathered in forward and in backward, the root once, in bf16; reduced in fp32
     assert fsdp2["all_gather"].nbytes == 2 * (shape.total_numel + shape.layers * shape.layer_numel)

@@ -7,6 +7,12 @@ The rules are yashard's schedule (docs/design.md, "No gather twice"):
   by the step's post-hook, the other layers and the lm_head by the forward;
 - the backward re-gathers every decoder layer but the last two, still in their slots; the
   embedding's backward needs no weights and the lm_head is still in the outer slot;
+- a frozen unit is not gathered again by the post-hook when it is still in its slot from the
+  backward (layers 0 and 1) or, with ``reshard_after_forward=False``, in its own buffer; tied
+  embeddings are one unit, in the outer slot;
+- with accumulation every later micro-batch gathers again what is not in a slot when a backward
+  ends (everything but the norm group, layers 0 and 1 and a tied embedding), re-gathers in its
+  backward as the first, and reduces every trained unit again;
 - with ``reshard_after_forward=False`` nothing is gathered twice; over a shard group of one rank
   (hybrid with ``shard_group_size=1``) nothing is gathered at all: the slots are direct;
 - every trained unit is reduce-scattered once per backward, over the shard group, in
@@ -75,8 +81,9 @@ def unit_sizes(model, config: ShardConfig, shard_world: int) -> dict[str, tuple[
 
 
 def yashard_collectives(units: dict[str, tuple[int, bool]], *, world: int, config: ShardConfig,
-                        qgz: Qgz | None = None) -> tuple[Collective, ...]:
-    """Every collective of one step (one micro-batch) of one rank, in the log's units and sizes."""
+                        qgz: Qgz | None = None, micro_batches: int = 1) -> tuple[Collective, ...]:
+    """Every collective of one step of ``micro_batches`` micro-batches (each reduced, no
+    ``no_sync``) of one rank, in the log's units and sizes, from the second step on."""
     s = config.shard_group_size or world
     replicas = world // s
     h = config.secondary_group_size
@@ -95,12 +102,30 @@ def yashard_collectives(units: dict[str, tuple[int, bool]], *, world: int, confi
         else:
             out.append(Collective("all_gather", phase, unit, group, s, padded, padded * p))
 
-    if s > 1:
-        for unit in units:
-            gather("forward", unit)
-        if config.reshard_after_forward:
+    in_slots = {"small", *layers[:2]}  # still gathered when a backward ends
+    if "lm_head" not in units:
+        in_slots.add("embed")              # tied: the outer slot holds the embedding and the lm_head
+    for micro in range(micro_batches):
+        if s > 1 and micro == 0:
+            for unit, (_, trains) in units.items():
+                # a frozen unit has not changed: one that never leaves its buffer (no reshard),
+                # or is still in its slot from the backward, is not gathered again
+                if trains or (config.reshard_after_forward and unit not in layers[:2] and unit != "small"):
+                    gather("forward", unit)
+        elif s > 1 and config.reshard_after_forward:
+            for unit in units:
+                if unit not in in_slots:
+                    gather("forward", unit)
+        if s > 1 and config.reshard_after_forward:
             for unit in layers[:-2]:
                 gather("backward", unit, secondary=h is not None)
+        _reductions(out, units, s, replicas, g, group, qgz, config)
+    return tuple(out)
+
+
+def _reductions(out: list, units: dict[str, tuple[int, bool]], s: int, replicas: int, g: int, group: str,
+                qgz: Qgz | None, config: ShardConfig) -> None:
+    """One backward's reductions: every trained unit's, in the log's units and sizes."""
     for unit, (padded, trains) in units.items():
         if not trains:
             continue
@@ -118,7 +143,6 @@ def yashard_collectives(units: dict[str, tuple[int, bool]], *, world: int, confi
             out.append(Collective("reduce_scatter", "backward", unit, group, s, padded, padded * g))
         if replicas > 1:
             out.append(Collective("all_reduce", "backward", unit, "replica", replicas, padded // s, padded // s * g))
-    return tuple(out)
 
 
 def peer_collectives(shape: ModelShape, *, world: int, param_bytes: int, reduce_bytes: int = 4,
@@ -151,13 +175,13 @@ def peer_collectives(shape: ModelShape, *, world: int, param_bytes: int, reduce_
     layer, embed, head = deepspeed_gathered_numel(shape)  # the rest stays whole: never gathered
     if embed:
         out.append(Collective("all_gather", "forward", "embed", "world", w, embed, embed * p))
-    for k in range(shape.layers):
+    for k in range(shape.layers if layer else 0):
         out.append(Collective("all_gather", "forward", f"layer_{k}", "world", w, layer, layer * p))
     if head:
         out.append(Collective("all_gather", "forward", "lm_head", "world", w, head, head * p))
     kept = deepspeed_kept_layers(shape)
     for k in reversed(range(shape.layers)):
-        if k < shape.layers - kept:  # released after its forward: gathered again
+        if layer and k < shape.layers - kept:  # released after its forward: gathered again
             out.append(Collective("all_gather", "backward", f"layer_{k}", "world", w, layer, layer * p))
         # every gradient goes through the bucket, the persistent parameters' included
         out.append(Collective("reduce_scatter", "backward", f"layer_{k}", "world", w, shape.layer_numel,

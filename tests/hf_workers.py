@@ -79,8 +79,13 @@ def trainer_run(rank, world, engine, out, overrides, resume=None, save_model=Non
     trainer = cls(model=model, args=args, train_dataset=lm_data(), eval_dataset=eval_data,
                   processing_class=tokenizer())
     trainer.train(resume_from_checkpoint=resume)
+    import transformers.trainer
+
     result = {"steps": _steps(trainer.state.log_history),
-              "evals": [h for h in trainer.state.log_history if "eval_loss" in h]}
+              "evals": [h for h in trainer.state.log_history if "eval_loss" in h],
+              "user_args_checkpointing": args.gradient_checkpointing,
+              "n_trainable": (trainer.get_num_trainable_parameters(),
+                              transformers.trainer.get_model_param_count(trainer.model, trainable_only=True))}
     if lora:
         result["trainable"] = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
         full = None
@@ -194,6 +199,52 @@ def sft_run(rank, world, engine, out, overrides, peft=False, save_model=None):
     return out
 
 
+def ref_trainer_run(rank, world, out):
+    """``sharded_trainer`` of a Trainer subclass that takes another model before ``args`` (as TRL's
+    DPO and GRPO trainers do): its arguments arrive by name."""
+    from transformers import Trainer
+
+    import yashard.hf
+
+    class RefTrainer(Trainer):
+        def __init__(self, model, ref_model=None, args=None, **kwargs):
+            super().__init__(model=model, args=args, **kwargs)
+            self.ref_model = ref_model
+
+    cls = yashard.hf.sharded_trainer(RefTrainer)
+    assert cls.__name__ == "RefTrainer" and yashard.hf.sharded_trainer(RefTrainer) is cls
+    trainer = cls(models.build("llama", seed=0), "a reference", _args(out, max_steps=2), train_dataset=lm_data())
+    trainer.train()
+    return {"ref_model": trainer.ref_model, "steps": _steps(trainer.state.log_history)}
+
+
+def accelerate_auto(rank, world, out):
+    """save_state / load_state with automatic checkpoint naming, next to a frozen teacher model."""
+    from accelerate.utils import ProjectConfiguration
+
+    import yashard.hf
+
+    acc = yashard.hf.Accelerator(cpu=True, project_config=ProjectConfiguration(
+        project_dir=out, automatic_checkpoint_naming=True, total_limit=2))
+    teacher = models.build("llama", seed=1).requires_grad_(False)
+    model, teacher = acc.prepare(models.build("llama", seed=0), teacher)
+    opt = acc.prepare(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    batch = lm_data(2)[0]["input_ids"][None]
+    for _ in range(3):
+        acc.backward(model(input_ids=batch, labels=batch).loss)
+        opt.step()
+        opt.zero_grad()
+        acc.save_state()
+    last = model.full_state_dict()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    acc.load_state()
+    loaded = model.full_state_dict()
+    return {"folders": sorted(os.listdir(os.path.join(out, "checkpoints"))),
+            "same": all(torch.equal(last[k], loaded[k]) for k in last)}
+
+
 def refusals(rank, world, out):
     """Each way of misusing yashard.hf raises, naming the fix; returns the messages."""
     import pytest
@@ -221,5 +272,11 @@ def refusals(rank, world, out):
     with pytest.raises(ValueError) as e:
         acc.prepare(model, torch.optim.AdamW(model.parameters()))
     got["optimizer_first"] = str(e.value)
-    assert isinstance(TrainingArguments, type)
+    model = models.build("llama")
+    with pytest.raises(ValueError) as e:
+        yashard.hf.Trainer(model=model, args=_args(out), optimizers=(torch.optim.AdamW(model.parameters()), None))
+    got["optimizers"] = str(e.value)
+    with pytest.raises(ValueError) as e:
+        yashard.hf.Trainer(model=models.build("llama"), args=TrainingArguments(out, use_cpu=True, fsdp="full_shard"))
+    got["fsdp"] = str(e.value)
     return got

@@ -33,7 +33,8 @@ def ddp_run(tmp_path_factory):
     """The reference: transformers.Trainer on DDP, gradient accumulation 2, eval every 2 steps."""
     out = str(tmp_path_factory.mktemp("ddp"))
     return run_distributed(hf_workers.trainer_run, 2, "ddp", out,
-                           dict(gradient_accumulation_steps=2, eval_strategy="steps", eval_steps=2))[0]
+                           dict(gradient_accumulation_steps=2, eval_strategy="steps", eval_steps=2,
+                                label_smoothing_factor=0.1))[0]
 
 
 @pytest.fixture(scope="module")
@@ -42,14 +43,17 @@ def yashard_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("yashard")
     result = run_distributed(hf_workers.trainer_run, 2, "yashard", str(out),
                              dict(gradient_accumulation_steps=2, eval_strategy="steps", eval_steps=2,
-                                  save_strategy="steps", save_steps=1, save_total_limit=2),
+                                  label_smoothing_factor=0.1, save_strategy="steps", save_steps=1,
+                                  save_total_limit=2),
                              None, str(out / "final"))[0]
     return out, result
 
 
 def test_trainer_matches_ddp_step_for_step_with_accumulation(ddp_run, yashard_run):
+    """Label smoothing included: Trainer shifts the labels for it only for a model it knows as a causal LM."""
     _, got = yashard_run
     assert_same_steps(got["steps"], ddp_run["steps"])
+    assert got["n_trainable"] == ddp_run["n_trainable"]  # (the model's count, not one rank's shards)
     assert [e["step"] for e in got["evals"]] == [2, 4], (got["evals"], ddp_run["evals"])
     for g, w in zip(got["evals"], ddp_run["evals"]):
         assert close(g["eval_loss"], w["eval_loss"])
@@ -84,7 +88,7 @@ def test_resume_continues_as_the_uninterrupted_run(yashard_run, tmp_path, world)
     """Resume from checkpoint-3 (written at 2 ranks) on 2 ranks, and on 1 rank with twice the
     per-device batch (the same global batch): step 4 is the uninterrupted run's step 4."""
     out, full = yashard_run
-    overrides = dict(gradient_accumulation_steps=2, output_dir=str(out),
+    overrides = dict(gradient_accumulation_steps=2, output_dir=str(out), label_smoothing_factor=0.1,
                      per_device_train_batch_size=2 * 2 // world)
     got = run_distributed(hf_workers.trainer_run, world, "yashard", str(out), overrides,
                           str(out / "checkpoint-3"))[0]
@@ -98,6 +102,7 @@ def test_bf16_and_gradient_checkpointing_come_from_the_arguments(tmp_path):
                           dict(bf16=True, gradient_checkpointing=True, max_steps=2), None, None, True)[0]
     assert got["dtype"] == "torch.bfloat16"
     assert got["checkpoint_layers"] == 4
+    assert got["user_args_checkpointing"] is True  # (the caller's TrainingArguments are left as they were)
     assert all(math.isfinite(s["loss"]) for s in got["steps"])
 
 
@@ -138,7 +143,7 @@ def adapters(folder) -> dict:
 def test_trainer_trains_a_lora_model_as_ddp_and_saves_its_adapter(tmp_path):
     """A PEFT LoRA model through yashard.hf.Trainer: the DDP run's losses and grad norms, AdamW's
     state on the adapters only, and save_model writes the adapter PeftModel.from_pretrained loads."""
-    overrides = dict(gradient_accumulation_steps=2)
+    overrides = dict(gradient_accumulation_steps=2, save_strategy="steps", save_steps=4)
     want = run_distributed(hf_workers.trainer_run, 2, "ddp", str(tmp_path / "ddp"), overrides, None,
                            str(tmp_path / "ddp" / "final"), False, True)[0]
     got = run_distributed(hf_workers.trainer_run, 2, "yashard", str(tmp_path / "y"), overrides, None,
@@ -149,6 +154,8 @@ def test_trainer_trains_a_lora_model_as_ddp_and_saves_its_adapter(tmp_path):
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
     assert (tmp_path / "y" / "final" / "adapter_config.json").is_file()
+    # (a checkpoint holds the adapter too, as a DDP checkpoint of a PEFT model does)
+    assert (tmp_path / "y" / "checkpoint-4" / "adapter_model.safetensors").is_file()
 
 
 def test_sft_trainer_with_peft_config_matches_ddp(tmp_path):
@@ -167,6 +174,18 @@ def test_misuse_is_refused_naming_the_fix(tmp_path):
     assert "checkpoint_layers" in got["checkpointing"]
     assert "needs args" in got["no_args"]
     assert "Prepare the model first" in got["optimizer_first"]
+    assert "optimizer_cls_and_kwargs" in got["optimizers"]
+    assert "leave fsdp and fsdp_config out" in got["fsdp"]
+
+
+def test_sharded_trainer_binds_arguments_by_name(tmp_path):
+    got = run_distributed(hf_workers.ref_trainer_run, 2, str(tmp_path))[0]
+    assert got["ref_model"] == "a reference" and len(got["steps"]) == 2
+
+
+def test_accelerate_automatic_checkpoint_naming_beside_a_frozen_teacher(tmp_path):
+    got = run_distributed(hf_workers.accelerate_auto, 2, str(tmp_path))[0]
+    assert got["folders"] == ["checkpoint_1", "checkpoint_2"] and got["same"]
 
 
 def test_recipe_trains_the_embedded_default_through_trainer_and_resumes(tmp_path):

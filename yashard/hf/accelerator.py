@@ -23,9 +23,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
+import shutil
 
 import torch
 from accelerate import Accelerator as _Accelerator
+from accelerate.utils import DistributedType
 from accelerate.checkpointing import load_accelerator_state, load_custom_state, save_accelerator_state, save_custom_state
 
 from ..api import shard
@@ -38,6 +41,13 @@ logger = logging.getLogger("yashard")
 CHECKPOINT_DIR = "yashard"  # the sharded checkpoint inside a save_state folder or a Trainer checkpoint
 
 _PRECISION_DTYPES = {"no": torch.float32, "bf16": torch.bfloat16}
+
+
+def _numbered(root: str) -> list[str]:
+    """The ``checkpoint_<i>`` folders in ``root``, oldest first."""
+    if not os.path.isdir(root):
+        return []
+    return sorted((f for f in os.listdir(root) if re.fullmatch(r"checkpoint_\d+", f)), key=lambda f: int(f[11:]))
 
 
 def ensure_process_group() -> None:
@@ -119,8 +129,11 @@ class Accelerator(_Accelerator):
     def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
                       evaluation_mode: bool = False):
         if not isinstance(model, ShardedModel):
-            if not any(p.requires_grad for p in model.parameters()):  # (a frozen reference model: not trained)
-                return super().prepare_model(model, device_placement, evaluation_mode)
+            if not any(p.requires_grad for p in model.parameters()):  # (a frozen teacher or reference model: no DDP)
+                return super().prepare_model(model, device_placement, evaluation_mode=True)
+            if self.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+                raise ValueError(f"an Accelerator configured for {self.distributed_type.value}: yashard shards the "
+                                 "model in its place; leave the FSDP or DeepSpeed plugin and config out")
             ensure_process_group()
             model = shard(model, config=self.yashard_config())
         check_precision(model, self.mixed_precision)
@@ -171,13 +184,54 @@ class Accelerator(_Accelerator):
     # --- state ---------------------------------------------------------------------------
 
     def _sharded_model(self, what: str) -> ShardedModel | None:
+        """The one sharded model of this accelerator; other models must be frozen (a teacher, a
+        reference model): they are not saved or loaded, as their weights do not change."""
         sharded = [m for m in self._models if isinstance(m, ShardedModel)]
         if not sharded:
             return None
+        trained = [m for m in self._models if m not in sharded and any(p.requires_grad for p in m.parameters())]
+        if len(sharded) > 1 or trained:
+            raise ValueError(f"{what} with a yashard model: it saves one trained model per Accelerator (this one "
+                             f"has {len(sharded) + len(trained)}); freeze the others (requires_grad_(False)) or save "
+                             "them yourself")
         if len(self._models) > 1:
-            raise ValueError(f"{what} with a yashard model: prepare one model per Accelerator "
-                             f"(this one has {len(self._models)})")
+            logger.info("yashard: %s leaves out %d frozen model(s): their weights do not change", what,
+                        len(self._models) - 1)
         return sharded[0]
+
+    def _checkpoint_root(self) -> str:
+        return os.path.join(self.project_dir, "checkpoints")
+
+    def _save_dir(self, output_dir: str | None) -> str:
+        """Where save_state writes: ``output_dir``, or with automatic checkpoint naming the next
+        ``checkpoints/checkpoint_<i>`` under the project folder (the oldest removed beyond ``total_limit``)."""
+        config = self.project_configuration
+        if not config.automatic_checkpoint_naming:
+            if output_dir is None:
+                raise ValueError("save_state needs output_dir, or ProjectConfiguration(automatic_checkpoint_naming=True)")
+            return output_dir
+        root = self._checkpoint_root()
+        os.makedirs(root, exist_ok=True)
+        folders = _numbered(root)
+        if config.total_limit is not None and self.is_main_process:
+            for folder in folders[: max(0, len(folders) + 1 - config.total_limit)]:
+                shutil.rmtree(os.path.join(root, folder))
+        path = os.path.join(root, f"checkpoint_{self.save_iteration}")
+        if os.path.exists(path):
+            raise ValueError(f"checkpoint folder {path} exists already; set accelerator.project_configuration.iteration "
+                             "to the next free number")
+        self.wait_for_everyone()  # (every rank has looked before any writes it)
+        return path
+
+    def _load_dir(self, input_dir: str | None) -> str:
+        if input_dir is not None:
+            return input_dir
+        if not self.project_configuration.automatic_checkpoint_naming:
+            raise ValueError("load_state needs input_dir, or ProjectConfiguration(automatic_checkpoint_naming=True)")
+        folders = _numbered(self._checkpoint_root())
+        if not folders:
+            raise FileNotFoundError(f"no checkpoint_<i> folder in {self._checkpoint_root()} to load")
+        return os.path.join(self._checkpoint_root(), folders[-1])
 
     def get_state_dict(self, model, unwrap=True):
         if isinstance(model, ShardedModel):
@@ -188,9 +242,7 @@ class Accelerator(_Accelerator):
         model = self._sharded_model("save_state")
         if model is None:
             return super().save_state(output_dir, safe_serialization, **save_model_func_kwargs)
-        if output_dir is None:
-            raise ValueError("save_state with a yashard model needs output_dir (automatic checkpoint naming is not "
-                             "supported)")
+        output_dir = self._save_dir(output_dir)
         os.makedirs(output_dir, exist_ok=True)
         save_checkpoint(os.path.join(output_dir, CHECKPOINT_DIR), model, optimizer_of(model, self._optimizers))
         others = [o for o in self._optimizers if raw_optimizer(o) is not optimizer_of(model, self._optimizers)]
@@ -210,8 +262,7 @@ class Accelerator(_Accelerator):
         model = self._sharded_model("load_state")
         if model is None:
             return super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
-        if input_dir is None:
-            raise ValueError("load_state with a yashard model needs input_dir")
+        input_dir = self._load_dir(input_dir)
         path = os.path.join(input_dir, CHECKPOINT_DIR)
         if not os.path.isdir(path):
             raise FileNotFoundError(f"{input_dir} has no {CHECKPOINT_DIR}/ folder: it was not written by "

@@ -23,6 +23,7 @@ one for another subclass). The user's ``TrainingArguments`` stay as they are. Wh
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import logging
@@ -56,8 +57,8 @@ def shard_config_from_args(args, config: ShardConfig | None, num_layers: int) ->
     changes = {}
     if getattr(args, "bf16", False) and (config is None or config.param_dtype == torch.float32):
         if config is not None:
-            raise ValueError("TrainingArguments(bf16=True) but shard_config has param_dtype=torch.float32, so it would "
-                             "compute in fp32: set ShardConfig(param_dtype=torch.bfloat16) or bf16=False")
+            logger.info("yashard: bf16=True computes in bf16: shard_config's param_dtype=torch.float32 becomes "
+                        "torch.bfloat16 (masters stay fp32)")
         changes["param_dtype"] = torch.bfloat16
     if checkpointing(args):
         if config is not None and 0 < config.checkpoint_layers < num_layers:
@@ -104,6 +105,37 @@ def _num_layers(model) -> int:
     return int(getattr(text, "num_hidden_layers", 0) or 0)
 
 
+_REFUSED_ARGS = {
+    "push_to_hub": "save_model() writes the folder; upload it with huggingface_hub.upload_folder",
+    "torch_compile": "Accelerate's compile wraps the model it prepares, which yashard shards instead; leave it off",
+    "fsdp": "yashard shards the model in FSDP's place; leave fsdp and fsdp_config out",
+    "deepspeed": "yashard shards the model in DeepSpeed's place; leave deepspeed out",
+}
+
+
+def _refuse_unsupported(args, given: dict) -> None:
+    """Arguments that ask for what yashard replaces, or cannot honour, are refused by name."""
+    for name, why in _REFUSED_ARGS.items():
+        if getattr(args, name, None):
+            raise ValueError(f"TrainingArguments({name}=...) with yashard.hf: {why}")
+    if given.get("model_init") is not None:
+        raise ValueError("model_init with yashard.hf: pass the model itself (model=...); the trainer shards it once")
+
+
+def _check_optimizers(optimizers, model: ShardedModel) -> None:
+    """An optimizer given to the trainer must train the sharded model's shards."""
+    optimizer = (optimizers or (None, None))[0]
+    if optimizer is None:
+        return
+    mine = {id(p) for p in model.parameters()}
+    if any(id(p) not in mine for g in optimizer.param_groups for p in g["params"]):
+        raise ValueError(
+            "optimizers=(optimizer, ...) holds parameters of the unsharded model, which the trainer has just "
+            "replaced with flat shards, so it would train nothing. Pass optimizer_cls_and_kwargs=(torch.optim.AdamW, "
+            "{...}) to have Trainer build it over the shards, or shard the model yourself (yashard.shard) and build "
+            "the optimizer over model.parameters()")
+
+
 def _check_sharded(model: ShardedModel, args) -> None:
     """A model sharded by the user must compute as the arguments ask."""
     config = model.runtime.config
@@ -124,22 +156,20 @@ class ShardedTrainerMixin:
 
     ``shard_config``: the ``ShardConfig`` for the model (by default derived from ``args``)."""
 
-    def __init__(self, model=None, args=None, *pos, shard_config: ShardConfig | None = None, **kwargs):
+    def __init__(self, *pos, shard_config: ShardConfig | None = None, **kwargs):
+        # (bound by name: TRL's DPO/GRPO-style trainers take another argument between model and args)
+        bound = inspect.signature(super().__init__).bind_partial(*pos, **kwargs)
+        given = bound.arguments
+        model, args = given.get("model"), given.get("args")
         if args is None:
             raise ValueError(f"{type(self).__name__} needs args (TrainingArguments): yashard reads bf16 and "
                              "gradient_checkpointing from them")
-        if getattr(args, "push_to_hub", False):
-            raise ValueError("push_to_hub with yashard.hf: save_model() writes the HF folder; push it with "
-                             "huggingface_hub.upload_folder")
-        if kwargs.get("model_init") is not None:
-            raise ValueError("model_init with yashard.hf: pass the model itself (model=...); the trainer shards it once")
-        if getattr(args, "torch_compile", False):
-            raise ValueError("TrainingArguments(torch_compile=True) with yashard.hf: Accelerate's compile wraps the "
-                             "model it prepares, which yashard shards instead; leave torch_compile off (see "
-                             "docs/api.md, torch.compile, for compiling a sharded model's layers)")
+        args = copy.copy(args)  # (checkpointing is switched off below: not on the caller's object)
+        given["args"] = args
+        _refuse_unsupported(args, given)
         _ = args.device  # (sets up the process group, as Trainer does, before the model is sharded)
         ensure_process_group()
-        peft_config = kwargs.pop("peft_config", None)
+        peft_config = given.pop("peft_config", None)
         if peft_config is not None:  # (TRL applies it inside its __init__, after the model would be sharded)
             if isinstance(model, ShardedModel):
                 raise ValueError("peft_config= with a model that is sharded already: apply get_peft_model before "
@@ -151,7 +181,7 @@ class ShardedTrainerMixin:
             model = peft.get_peft_model(model, peft_config)
         if isinstance(model, (str, os.PathLike)):
             config = _hub_free_config(model, args, shard_config)
-            model = from_pretrained(model, config=config)
+            model = from_pretrained(model, config=config, **(getattr(args, "model_init_kwargs", None) or {}))
         elif model is not None and not isinstance(model, ShardedModel):
             model = shard(model, config=shard_config_from_args(args, shard_config, _num_layers(model)))
         elif isinstance(model, ShardedModel):
@@ -159,21 +189,42 @@ class ShardedTrainerMixin:
                 raise ValueError("shard_config= was given with a model that is sharded already; shard an unsharded "
                                  "model with it, or leave it out")
             _check_sharded(model, args)
+        if model is None:
+            raise ValueError(f"{type(self).__name__} needs model=: an HF model, a local folder or a sharded model")
+        _check_optimizers(given.get("optimizers"), model)
         if checkpointing(args):
             logger.info("yashard: activation checkpointing is yashard's own (ShardConfig.checkpoint_layers=%d); "
                         "HF's is left off", model.runtime.config.checkpoint_layers)
             checkpointing_off(args)
-        self.shard_config = model.runtime.config if model is not None else None
-        super().__init__(model, args, *pos, **kwargs)
-        if isinstance(self.model, ShardedModel):
-            # (Trainer reads the label names and whether a loss comes back from the model's class: the HF one's)
-            from transformers.utils import can_return_loss, find_labels
+        given["model"] = model
+        self.shard_config = model.runtime.config
+        super().__init__(*bound.args, **bound.kwargs)
+        # (Trainer reads the label names and whether a loss comes back from the model's class: the HF one's)
+        from transformers.utils import can_return_loss, find_labels
 
-            hf_class = type(hf_model(self.model))
-            if self.args.label_names is None:
-                self.label_names = find_labels(hf_class)
-            self.can_return_loss = can_return_loss(hf_class)
+        hf_class = type(hf_model(self.model))
+        if self.args.label_names is None:
+            self.label_names = find_labels(hf_class)
+        self.can_return_loss = can_return_loss(hf_class)
         replace_fused_lm_head(self.model)
+
+    def compute_loss(self, model, inputs, *pos, **kwargs):
+        # Trainer shifts the labels for label smoothing (and a compute_loss_func) only when the model
+        # it unwraps is named as a causal LM: name the HF model while it looks
+        if not isinstance(model, ShardedModel):
+            return super().compute_loss(model, inputs, *pos, **kwargs)
+        accelerator = self.accelerator
+        own = accelerator.unwrap_model
+        accelerator.unwrap_model = lambda m, *a, **k: hf_model(m) if m is model else own(m, *a, **k)
+        try:
+            return super().compute_loss(model, inputs, *pos, **kwargs)
+        finally:
+            del accelerator.unwrap_model
+
+    def get_num_trainable_parameters(self) -> int:
+        if isinstance(self.model, ShardedModel):
+            return hf_model(self.model).num_parameters(only_trainable=True)
+        return super().get_num_trainable_parameters()
 
     # --- Accelerate ----------------------------------------------------------------------
 
@@ -208,6 +259,8 @@ class ShardedTrainerMixin:
         if _internal_call:
             optimizer = None if self.args.save_only_model or self.optimizer is None else raw_optimizer(self.optimizer)
             save_checkpoint(os.path.join(output_dir, CHECKPOINT_DIR), self.model, optimizer)
+            if is_peft(self.model):  # (as a DDP checkpoint of a PEFT model: its adapter, for PeftModel.from_pretrained)
+                save_adapter(self.model, output_dir)
         elif is_peft(self.model):
             save_adapter(self.model, output_dir)  # (as Trainer saves a PEFT model: the adapter)
         else:
@@ -343,6 +396,22 @@ def _logits_fused_forward(self, *args, temperature=1.0, fused_lm_head=False, lab
         loss = loss + getattr(self.config.get_text_config(), "router_aux_loss_coef", 0.0) * aux_loss
     return FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=entropy, log_sum_sq_probs=log_sum_sq_probs,
                                mean_logits=mean_logits, is_top1=is_top1, label_mask=mask, aux_loss=aux_loss)
+
+
+def _count_sharded_too(count):
+    """Trainer logs "Number of trainable parameters" with ``get_model_param_count(model)``, which sums
+    ``model.parameters()``: a sharded model's are this rank's shards. Count the model's own."""
+    @functools.wraps(count)
+    def get_model_param_count(model, trainable_only=False):
+        if isinstance(model, ShardedModel):
+            return hf_model(model).num_parameters(only_trainable=trainable_only)
+        return count(model, trainable_only)
+
+    return get_model_param_count
+
+
+if not hasattr(transformers.trainer.get_model_param_count, "__wrapped__"):
+    transformers.trainer.get_model_param_count = _count_sharded_too(transformers.trainer.get_model_param_count)
 
 
 class Trainer(ShardedTrainerMixin, transformers.Trainer):

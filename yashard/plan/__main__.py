@@ -33,7 +33,7 @@ from .presets import PRESETS, preset_config
 
 # Rows whose size does not shrink as the world grows (the slots hold whole units); the others
 # hold this rank's 1/W of the model.
-_FIXED_ROWS = ("slot ", "qwZ codes", "comm hook ")
+_FIXED_ROWS = ("slot ", "qwZ codes", "comm hook ", "reduce-scatter staging")
 
 
 _SIZES = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,

@@ -167,7 +167,10 @@ def make_units(groups: dict[str, list], layouts: dict[str, FlatLayout], slots: d
             slot=slot, master=master, trainable=[p.requires_grad for p, _, _ in members],
         )
         unit.name_in_traces({"small": "norm group", "adapters": "adapter group"}.get(key) or module_name(spec, unit))
-        if config.param_dtype != torch.float32:
+        # Over a one-rank shard group the views read the unit's own shard in place (direct slots):
+        # with a 16-bit param_dtype that is a cast copy of the master, kept. Every other gather
+        # casts the master into this rank's own chunk of the slot and gathers in place (gathers.py).
+        if direct and config.param_dtype != torch.float32:
             unit.gather_src = torch.empty(master.shape, dtype=config.param_dtype, device=device)
         if direct:  # (an alias: the views' in-place writes move its own version counter)
             unit.direct_source = own_version_alias(unit.gather_src)

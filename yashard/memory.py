@@ -150,7 +150,8 @@ def plan_memory(inp: MemoryInputs) -> MemoryPlan:
     if nf:
         rows.append(MemoryRow("frozen values", nf, 4 * nf, f"F={nf} * 4 (frozen parameters of partly frozen units, "
                                                           "kept over the optimizer step)"))
-    if cfg.param_dtype != torch.float32:
+    cast_copies = cfg.param_dtype != torch.float32 and inp.direct  # (else a gather casts into the slot)
+    if cast_copies:
         rows.append(MemoryRow(f"{cfg.param_dtype} gather sources", n, p * n, f"N/W={n} * {p}"))
     extra = ""
     if cfg.secondary_group_size is not None:
@@ -162,7 +163,7 @@ def plan_memory(inp: MemoryInputs) -> MemoryPlan:
         rows.append(MemoryRow(f"comm hook {name}", numel, nbytes,
                               "the comm hook's workspace_plan" if inp.hook_planned else
                               "asked for by the comm hook at its first call (it has no workspace_plan)"))
-    cast = f"+{p}" if cfg.param_dtype != torch.float32 else ""
+    cast = f"+{p}" if cast_copies else ""
     masters = f"N/W*(4{cast})" if cast else "N/W*4"
     shards = f"N/W*(8{cast})" if nt == n else f"{masters} + T/W*4" + (" + F*4" if nf else "")
     if inp.direct_grads:

@@ -7,6 +7,9 @@ is then all-reduced over the replicas, and it is post-divided by the data-parall
 added, in fp32, to the persistent gradient. All reductions share one output buffer, so each starts
 after the previous one finished (R6). Comm hooks' scratch buffers are persistent too
 (:meth:`Reducer.workspace`), allocated from the hook's ``workspace_plan`` before step one.
+With 16-bit gradient slots (:func:`yashard.build.compact_grads`) no hook is called: the default
+hook's reduce-scatter runs a chunk at a time through one ``reduce_dtype`` staging buffer
+(:meth:`Reducer._reduce_chunked`).
 """
 
 from __future__ import annotations

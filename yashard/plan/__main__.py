@@ -128,6 +128,8 @@ def peaks_report(model, result: MemoryPlan, config: ShardConfig, world: int, *, 
              f"head {_gib(acts.head)} GiB, logits {_gib(acts.logits)} GiB",
              f"  at the forward's end {_gib(acts.forward_end)} GiB; the loss's backward adds {_gib(acts.loss_backward)}, "
              f"a layer's weight gradients {_gib(acts.layer_grads)}",
+             "  (yashard: autograd computes all of a layer's weight gradients before Narrow copies them into the "
+             "gradient slot, so for a moment they exist outside the plan: in the peaks below)",
              "peak per rank (GiB):",
              f"  {'engine':<17} {'state':>8} {'peak':>8}  {'at':<40}" + ("  fits  largest micro-batch" if gpu_memory else "")]
     for name, peak_of in engines.items():

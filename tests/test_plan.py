@@ -82,8 +82,8 @@ def test_a_plan_needs_no_process_group_and_reads_a_config_json(tmp_path):
                         config=yashard.ShardConfig(param_dtype=torch.bfloat16))
     assert plan.world == 256
     assert [r.name for r in plan.rows] == ["slot layer_even", "slot layer_odd", "slot outer", "slot small",
-                                           "reduce-scatter out", "fp32 master shards", "fp32 grad shards",
-                                           "torch.bfloat16 gather sources"]
+                                           "reduce-scatter out", "reduce-scatter staging", "fp32 master shards",
+                                           "fp32 grad shards"]
     same = yashard.plan(cfg, world_size=256, config=yashard.ShardConfig(param_dtype=torch.bfloat16))
     assert yashard.plan(tmp_path, world_size=256, config=yashard.ShardConfig(param_dtype=torch.bfloat16)).rows \
         == same.rows == plan.rows
@@ -122,7 +122,7 @@ def test_the_command_line_prints_the_plan_of_a_preset_marked_fixed_or_1_over_w()
                            config=yashard.ShardConfig(param_dtype=torch.bfloat16))
     lines = out.stdout.splitlines()
     for r in planned.rows:
-        kind = "fixed" if r.name.startswith("slot ") else "1/W"
+        kind = "fixed" if r.name.startswith(("slot ", "reduce-scatter staging")) else "1/W"
         assert any(line.split()[:len(r.name.split())] == r.name.split() and f"{r.bytes / 2**30:.3f} GiB  {kind}" in line
                    for line in lines), (r.name, out.stdout)
     state = (planned.total_bytes + planned.adamw_bytes) / 2**30

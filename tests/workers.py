@@ -26,6 +26,10 @@ DEFAULTS = dict(
     # "forwards" (each layer's forward function, fullgraph=True) or "model" (the ShardedModel)
     compile=None,
     freeze=(),  # parameters whose names contain one of these are frozen (requires_grad=False) before sharding
+    # (elements of a reduction chunk over all ranks, at least per rank): layout.REDUCE_CHUNK_NUMEL and
+    # REDUCE_CHUNK_MIN_PER_RANK while shard() runs, so that a tiny model's param_dtype gradient slots
+    # are reduced in several chunks
+    reduce_chunk=None,
 )
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -37,6 +41,22 @@ def _register_hook(sm, name: str, kw: dict) -> None:
         sm.register_comm_hook(comm_hooks.QgzState(sm, **kw), comm_hooks.qgz_hook)
     else:
         sm.register_comm_hook(None, getattr(comm_hooks, f"{name}_hook"))
+
+
+@contextlib.contextmanager
+def _reduce_chunk(sizes):
+    """``layout.REDUCE_CHUNK_NUMEL`` and ``REDUCE_CHUNK_MIN_PER_RANK`` set to ``sizes`` (None: as they are)."""
+    from yashard import layout
+
+    if sizes is None:
+        yield
+        return
+    old = layout.REDUCE_CHUNK_NUMEL, layout.REDUCE_CHUNK_MIN_PER_RANK
+    layout.REDUCE_CHUNK_NUMEL, layout.REDUCE_CHUNK_MIN_PER_RANK = sizes
+    try:
+        yield
+    finally:
+        layout.REDUCE_CHUNK_NUMEL, layout.REDUCE_CHUNK_MIN_PER_RANK = old
 
 
 def scenario(**kw) -> dict:
@@ -143,7 +163,8 @@ def run_sharded(rank: int, world: int, s: dict) -> dict:
         rows = torch.tensor(s["mesh"])
         mesh = (DeviceMesh("cpu", rows[0], mesh_dim_names=("shard",)) if len(rows) == 1
                 else DeviceMesh("cpu", rows, mesh_dim_names=("replicate", "shard")))
-    sm = yashard.shard(model, config=cfg, mesh=mesh)
+    with _reduce_chunk(s["reduce_chunk"]):
+        sm = yashard.shard(model, config=cfg, mesh=mesh)
     if s["hook"] is not None:
         _register_hook(sm, s["hook"], s["hook_kw"])
     fwd, traced = _compile(sm, s["compile"])

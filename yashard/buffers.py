@@ -1,10 +1,11 @@
 """Preallocated buffer slots: the only memory gathered weights and unreduced gradients ever use.
 
-A :class:`Slot` is a weight buffer (``param_dtype``) and a gradient buffer (``reduce_dtype``),
-allocated once at :func:`yashard.shard` time and reused for the whole run. Two more buffers are
-shared by all slots: the reduce-scatter output (reductions run one after another, rule R6 in
-:mod:`yashard.events`) and, with qwZ, the codes workspace (a quantized gather has finished
-dequantizing before the next one starts). Units take turns owning a slot:
+A :class:`Slot` is a weight buffer (``param_dtype``) and a gradient buffer (``reduce_dtype``, or
+``param_dtype`` when that is the narrower: :func:`yashard.build.compact_grads`), allocated once at
+:func:`yashard.shard` time and reused for the whole run. More buffers are shared by all slots: the
+reduce-scatter output (reductions run one after another, rule R6 in :mod:`yashard.events`), with
+16-bit gradient buffers the reduction's fp32 staging buffer, and, with qwZ, the codes workspace (a
+quantized gather has finished dequantizing before the next one starts). Units take turns owning a slot:
 
 * slots 0 and 1 alternate between even and odd decoder layers (sized by the largest layer);
 * the *outer* slot is shared by the embedding and the lm_head (they never need their weights at the

@@ -18,7 +18,8 @@ from torch import nn
 from .buffers import Slot
 from .collectives import Comm
 from .config import ShardConfig
-from .layout import FlatLayout, build_layout, slot_assignment
+from .layout import FlatLayout, build_layout, reduce_chunk, slot_assignment
+from .memory import dtype_bytes
 from .pass_state import PassState
 from .patch.spec import ModelSpec
 from .stub import ShardedStub, sharded_message
@@ -36,6 +37,26 @@ def direct_grads(direct: bool, dp_world: int, config: ShardConfig) -> bool:
     is adding them to its master gradient: ``Narrow`` writes them there in place (no gradient slot,
     no copy, no reduction). A registered comm hook turns this off (it reduces from the slots: comm_hook_registry)."""
     return direct and dp_world == 1 and config.wire_dtype == torch.float32
+
+
+def compact_grads(config: ShardConfig, shard_world: int, direct: bool) -> bool:
+    """Whether the slots' gradient buffers are in ``param_dtype`` rather than ``reduce_dtype``:
+    when ``param_dtype`` is the narrower (bf16 or fp16 compute, fp32 reduction), the gradients
+    autograd hands ``Narrow`` are in ``param_dtype``, so keeping them in it loses nothing. They are
+    widened to ``reduce_dtype`` a chunk at a time, into one staging buffer shared by the slots, and
+    each chunk is reduce-scattered on its own (:class:`yashard.reduction.Reducer`): the same values
+    go over the wire. Only with the alternating slots (``reshard_after_forward=True``), where a slot
+    never accumulates gradients across backwards (``no_sync()`` needs per-unit slots), over a shard
+    group of more than one rank (a direct slot reduces nothing), and with the default comm hook (a
+    registered hook reads ``reduce_dtype`` buffers: :mod:`yashard.comm_hook_registry` turns it off)."""
+    return (config.reshard_after_forward and not direct and shard_world > 1
+            and dtype_bytes(config.param_dtype) < dtype_bytes(config.wire_dtype))
+
+
+def staging_chunk(grad_sizes: dict[str, int], world: int, config: ShardConfig) -> int:
+    """Each rank's part of one chunk of the chunked reduction (:func:`compact_grads`): the staging
+    buffer holds ``world`` times it."""
+    return reduce_chunk(max(grad_sizes.values(), default=0) // world, world, config.shard_align)
 
 
 def direct_slots(shard_world: int, config: ShardConfig) -> bool:
@@ -89,10 +110,12 @@ def slot_sizes(groups: dict[str, list], layouts: dict[str, FlatLayout], config: 
 
 
 def make_slots(sizes: dict[str, int], grad_sizes: dict[str, int], world: int, config: ShardConfig,
-               device: torch.device, direct: bool, direct_grads: bool) -> dict[str, Slot]:
-    """The slot buffers (a slot of size 0, every unit in it empty, is left out)."""
+               device: torch.device, direct: bool, direct_grads: bool, compact: bool = False) -> dict[str, Slot]:
+    """The slot buffers (a slot of size 0, every unit in it empty, is left out); ``compact``: the
+    gradient buffers in ``param_dtype`` (:func:`compact_grads`)."""
+    grad_dtype = config.param_dtype if compact else config.wire_dtype
     return {
-        name: Slot(name, numel, world, config.param_dtype, config.wire_dtype, device, direct=direct,
+        name: Slot(name, numel, world, config.param_dtype, grad_dtype, device, direct=direct,
                    grad_numel=0 if direct_grads else grad_sizes[name])
         for name, numel in sizes.items()
         if numel > 0
@@ -144,7 +167,10 @@ def make_units(groups: dict[str, list], layouts: dict[str, FlatLayout], slots: d
             slot=slot, master=master, trainable=[p.requires_grad for p, _, _ in members],
         )
         unit.name_in_traces({"small": "norm group", "adapters": "adapter group"}.get(key) or module_name(spec, unit))
-        if config.param_dtype != torch.float32:
+        # Over a one-rank shard group the views read the unit's own shard in place (direct slots):
+        # with a 16-bit param_dtype that is a cast copy of the master, kept. Every other gather
+        # casts the master into this rank's own chunk of the slot and gathers in place (gathers.py).
+        if direct and config.param_dtype != torch.float32:
             unit.gather_src = torch.empty(master.shape, dtype=config.param_dtype, device=device)
         if direct:  # (an alias: the views' in-place writes move its own version counter)
             unit.direct_source = own_version_alias(unit.gather_src)

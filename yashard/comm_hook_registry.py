@@ -69,7 +69,8 @@ class CommHookRegistry:
                 "(largest 65504, smallest normal 6.1e-05) is far narrower than bfloat16's, and a bf16 run has no "
                 "loss scaling to keep them inside it, so large gradients overflow to inf and small ones flush "
                 "toward zero: use bf16_compress_hook (16 bits on the wire too, with bfloat16's range)", " and ".join(bf16))
-        if self.state.direct_grads:  # a hook reduces from the gradient slots: give them their buffers
+        if self.state.direct_grads or r.staging is not None:  # a hook reduces the gradient slots whole, in
+            r.drop_staging()                                   # reduce_dtype: give them those buffers
             self._allocate_grad_slots()
         r.comm_hook, r.comm_hook_state = hook, state
         name = getattr(hook, "__name__", "comm hook")
@@ -135,8 +136,9 @@ class CommHookRegistry:
                 brief(state_dict), fix)
 
     def _allocate_grad_slots(self) -> None:
-        """Leave the in-place gradient path (:func:`yashard.build.direct_grads`): before the first forward, the
-        slots get the gradient buffers they would have had from ``shard()`` on."""
+        """Leave the in-place gradient path (:func:`yashard.build.direct_grads`) or the ``param_dtype``
+        gradient slots (:func:`yashard.build.compact_grads`): before the first forward, the slots get
+        the ``reduce_dtype`` gradient buffers a comm hook reads."""
         self.state.direct_grads = False
         for name, slot in self.slots.items():
             slot.grad_numel = self.grad_sizes[name]

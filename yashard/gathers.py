@@ -6,8 +6,11 @@ secondary slices over the (node-local) secondary group. A direct slot (shard wor
 unit's own shard instead: no collective, no copy, nothing to wait for.
 
 A gather is used only while the masters keep the version it was gathered at
-(``unit.gathered_version``): the ``param_dtype`` sources are recast from the masters when they
-changed (:meth:`Gathers.refresh_sources`), and a unit whose masters changed is gathered again.
+(``unit.gathered_version``): a unit whose masters changed is gathered again. With a 16-bit
+``param_dtype`` a gather first casts this rank's fp32 master into its own chunk of the slot, on the
+communication stream, and gathers in place: no cast copy of the masters is kept. Only direct slots
+keep one, the ``param_dtype`` source the views read, recast from the masters when they changed
+(:meth:`Gathers.refresh_sources`).
 """
 
 from __future__ import annotations
@@ -70,12 +73,13 @@ class Gathers:
             if self.state.in_backward and unit.secondary is not None and unit.secondary_version == unit.master._version:
                 work = comm.all_gather(out, unit.secondary, unit.name, comm.secondary_group)
             else:
+                shard = self._source(unit, out)
                 if unit.kind != "small" and self.config.quantized_weights:
-                    qwz_all_gather(comm, out, unit.gather_src, self.qwz_workspace, bits=self.config.quantized_weights,
+                    qwz_all_gather(comm, out, shard, self.qwz_workspace, bits=self.config.quantized_weights,
                                    block=self.config.quant_block, unit=unit.name)
                     work = Completed()
                 else:
-                    work = comm.all_gather(out, unit.gather_src, unit.name)
+                    work = comm.all_gather(out, shard, unit.name)
                 if unit.secondary is not None and training:
                     secondary, h = unit.secondary, comm.topology.secondary_rank
                     on_done = functools.partial(_keep_secondary, secondary, out, h)
@@ -84,6 +88,19 @@ class Gathers:
         unit.gathered = Pending(self.streams, work, on_done,
                                 functools.partial(comm.wait, what=what))
         slot.owner = unit
+
+    def _source(self, unit: Unit, out: torch.Tensor) -> torch.Tensor:
+        """This rank's part of ``unit``'s gather into ``out``: its master when that is in ``out``'s
+        dtype, else the master cast into this rank's own chunk of ``out``, which the all-gather then
+        leaves in place (gloo's sends read it there, NCCL gathers in place). The cast runs where the
+        gather does, after the slot's release (R1), and reads the masters as they are now."""
+        src = unit.gather_src
+        if src.dtype == out.dtype:
+            return src
+        n = src.numel()
+        own = out.narrow(0, self.comm.shard_rank * n, n)
+        own.copy_(src.detach())
+        return own
 
     def release(self, slot: Slot) -> None:
         """Compute has issued its last read of ``slot``'s weights: record the event a gather into it
@@ -122,16 +139,18 @@ class Gathers:
         self._cast_versions = None
 
     def refresh_sources(self, units: list[Unit]) -> None:
-        """Recast the param_dtype shards if the masters changed, and order every gather issued
-        from now on after what compute did so far (the casts, the optimizer step, the previous
-        backward's last reads of the resident norm group: R1)."""
+        """Recast the param_dtype shards of direct slots if the masters changed, and order every
+        gather issued from now on after what compute did so far (the casts, the optimizer step,
+        which the gathers' own casts read, the previous backward's last reads of the resident norm
+        group: R1)."""
         versions = tuple(u.master._version for u in units)
-        if self.config.param_dtype != torch.float32 and versions != self._cast_versions:
+        if versions != self._cast_versions:
             # masters changed (optimizer step, load): refresh those cast shards (frozen ones stay)
             old = self._cast_versions or (None,) * len(versions)
-            changed = [u for u, v, was in zip(units, versions, old) if v != was]
-            with torch.no_grad():
-                torch._foreach_copy_([u.gather_src for u in changed], [u.master for u in changed])
+            changed = [u for u, v, was in zip(units, versions, old) if v != was and u.gather_src is not u.master]
+            if changed:
+                with torch.no_grad():
+                    torch._foreach_copy_([u.gather_src for u in changed], [u.master for u in changed])
             self._cast_versions = versions
         self.streams.comm.wait_event(self.streams.record(self.streams.compute))
 

@@ -260,3 +260,30 @@ def flat_range_boxes(shape: Sequence[int], lo: int, hi: int) -> list[tuple[tuple
     if hi % inner:
         out += in_row(r1, 0, hi % inner)
     return out
+
+
+# Chunked reduction of 16-bit gradient slots (``build.compact_grads``): a unit's gradients wait in
+# its slot in ``param_dtype`` and are widened to ``reduce_dtype`` one chunk at a time, into one
+# staging buffer of ``world * reduce_chunk(...)`` elements, each chunk reduce-scattered on its own.
+# A chunk covers at most REDUCE_CHUNK_NUMEL elements over all ranks (256 MiB in fp32), and each
+# rank's part of it at least REDUCE_CHUNK_MIN_PER_RANK elements (1 MiB in fp32), so that a large
+# world still sends messages a collective moves at full speed. Read at call time: tests lower them.
+REDUCE_CHUNK_NUMEL = 1 << 26
+REDUCE_CHUNK_MIN_PER_RANK = 1 << 18
+
+
+def reduce_chunk(largest_shard: int, world: int, align: int) -> int:
+    """Elements of each rank's part of one reduction chunk: ``REDUCE_CHUNK_NUMEL / world``, at
+    least ``REDUCE_CHUNK_MIN_PER_RANK``, a multiple of ``align``, and no more than the largest
+    shard that is reduced (``largest_shard``; 0: nothing is)."""
+    b = max(REDUCE_CHUNK_NUMEL // world, REDUCE_CHUNK_MIN_PER_RANK)
+    b = max(align, b // align * align)
+    return min(b, largest_shard)
+
+
+def chunk_bounds(shard_numel: int, chunk: int) -> list[tuple[int, int]]:
+    """``(start, length)`` of each chunk of a shard of ``shard_numel`` elements, in order: every
+    chunk ``chunk`` long but the last."""
+    if shard_numel and chunk <= 0:
+        raise ValueError(f"chunk_bounds needs a positive chunk, got {chunk}")
+    return [(lo, min(chunk, shard_numel - lo)) for lo in range(0, shard_numel, chunk or 1)]

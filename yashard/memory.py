@@ -93,6 +93,10 @@ class MemoryInputs:
     reduce_out: bool                # the reduce-scatter output is allocated (one rank: once a hook asks)
     workspaces: tuple[tuple[str, int, int], ...] = ()  # comm hook scratch: (name, numel, bytes)
     hook_planned: bool = False      # the workspaces come from the hook's workspace_plan
+    # The slots' gradient buffers are in param_dtype and reduced through one staging buffer of
+    # staging_numel reduce_dtype elements, a chunk at a time (build.compact_grads); 0: they are in
+    # reduce_dtype and reduced whole.
+    staging_numel: int = 0
 
 
 def plan_memory(inp: MemoryInputs) -> MemoryPlan:
@@ -105,18 +109,21 @@ def plan_memory(inp: MemoryInputs) -> MemoryPlan:
     cfg = inp.config
     w = inp.world
     p, g = dtype_bytes(cfg.param_dtype), dtype_bytes(cfg.wire_dtype)
+    compact = inp.staging_numel > 0
+    gs_bytes = p if compact else g  # bytes of a slot's gradient element
     rows = []
     frozen_slots = any(slot.grad_numel != slot.numel for slot in inp.slots)
     for slot in [] if inp.direct_grads else inp.slots:  # (one rank: no slot holds anything)
         s, gs = slot.numel, slot.grad_numel
         if gs != s:  # units whose parameters are all frozen use it: grads sized by the others (G)
             weights = "weights: the unit's own shard" if slot.direct else f"S*{p} weights"
-            rows.append(MemoryRow(f"slot {slot.name}", s, (0 if slot.direct else s * p) + gs * g,
-                                  f"S={s}, G={gs}: {weights} + G*{g} grads (G: its units with a trainable parameter)"))
+            rows.append(MemoryRow(f"slot {slot.name}", s, (0 if slot.direct else s * p) + gs * gs_bytes,
+                                  f"S={s}, G={gs}: {weights} + G*{gs_bytes} grads (G: its units with a trainable "
+                                  "parameter)"))
         elif slot.direct:  # shard world 1: the views read the units' own shards
             rows.append(MemoryRow(f"slot {slot.name}", s, s * g, f"S={s}: S*{g} grads (weights: the unit's own shard)"))
         else:
-            rows.append(MemoryRow(f"slot {slot.name}", s, s * (p + g), f"S={s}: S*({p}+{g}) weights+grads"))
+            rows.append(MemoryRow(f"slot {slot.name}", s, s * (p + gs_bytes), f"S={s}: S*({p}+{gs_bytes}) weights+grads"))
     if cfg.quantized_weights:
         b = max(qwz_workspace_nbytes(s.numel // w, w, bits=cfg.quantized_weights, block=cfg.quant_block)
                 for s in inp.slots if s.name != "small")
@@ -127,6 +134,11 @@ def plan_memory(inp: MemoryInputs) -> MemoryPlan:
     big = "G" if frozen_slots else "S"
     if out:
         rows.append(MemoryRow("reduce-scatter out", m, m * g, f"max {big}/W={m} * {g}, shared by the slots"))
+    if compact:
+        c = inp.staging_numel
+        rows.append(MemoryRow("reduce-scatter staging", c, c * g,
+                              f"W*C={c} * {g}: one chunk of a slot's {p}-byte gradients widened to {g} bytes, "
+                              "shared by the slots"))
     n = sum(u.shard_numel for u in inp.units)
     nt = sum(u.shard_numel for u in inp.units if u.trains)
     nf = sum(u.frozen_numel for u in inp.units)
@@ -138,7 +150,8 @@ def plan_memory(inp: MemoryInputs) -> MemoryPlan:
     if nf:
         rows.append(MemoryRow("frozen values", nf, 4 * nf, f"F={nf} * 4 (frozen parameters of partly frozen units, "
                                                           "kept over the optimizer step)"))
-    if cfg.param_dtype != torch.float32:
+    cast_copies = cfg.param_dtype != torch.float32 and inp.direct  # (else a gather casts into the slot)
+    if cast_copies:
         rows.append(MemoryRow(f"{cfg.param_dtype} gather sources", n, p * n, f"N/W={n} * {p}"))
     extra = ""
     if cfg.secondary_group_size is not None:
@@ -150,17 +163,17 @@ def plan_memory(inp: MemoryInputs) -> MemoryPlan:
         rows.append(MemoryRow(f"comm hook {name}", numel, nbytes,
                               "the comm hook's workspace_plan" if inp.hook_planned else
                               "asked for by the comm hook at its first call (it has no workspace_plan)"))
-    cast = f"+{p}" if cfg.param_dtype != torch.float32 else ""
+    cast = f"+{p}" if cast_copies else ""
     masters = f"N/W*(4{cast})" if cast else "N/W*4"
     shards = f"N/W*(8{cast})" if nt == n else f"{masters} + T/W*4" + (" + F*4" if nf else "")
     if inp.direct_grads:
         slots = "no slot buffers (one rank: the views read the shards, gradients are added to the grad shards)"
     elif frozen_slots:
-        slots = f"sum over slots {'' if inp.direct else f'S*{p} + '}G*{g}"
+        slots = f"sum over slots {'' if inp.direct else f'S*{p} + '}G*{gs_bytes}"
     else:
-        slots = f"sum over slots S*({g if inp.direct else f'{p}+{g}'})"
+        slots = f"sum over slots S*({g if inp.direct else f'{p}+{gs_bytes}'})"
     formula = (
-        slots + f"{f' + max {big}/W*{g}' if out else ''} + {shards}"
+        slots + f"{f' + max {big}/W*{g}' if out else ''}{f' + W*C*{g}' if compact else ''} + {shards}"
         + extra + (" + qwZ codes" if cfg.quantized_weights else "") + (" + comm hook scratch" if inp.workspaces else "")
     )
     adamw = (f"8 * T/W = 8 * {nt}, two fp32 moments per element of the trained shards" if nt != n else

@@ -17,7 +17,8 @@ class Narrow(torch.autograd.Function):
         view depends on it, so the gate's backward can only run after every ``Narrow.backward`` of
         the unit has run.
       * backward hands the incoming gradient to ``unit.write_grad(index, grad)``, which copies it
-        into the unit's gradient slot (upcasting to ``reduce_dtype``), or over one data-parallel rank
+        into the unit's gradient slot (in its dtype: ``reduce_dtype``, or ``param_dtype``, the
+        gradient's own, see :func:`yashard.build.compact_grads`), or over one data-parallel rank
         (``PassState.direct_grads``) adds it to the unit's fp32 ``master.grad`` in place; autograd never
         allocates a ``.grad`` for the parameter. It returns no gradient for any input.
       * the node holds the unit weakly: parameter views left on the module keep no runtime alive

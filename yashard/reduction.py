@@ -7,6 +7,9 @@ is then all-reduced over the replicas, and it is post-divided by the data-parall
 added, in fp32, to the persistent gradient. All reductions share one output buffer, so each starts
 after the previous one finished (R6). Comm hooks' scratch buffers are persistent too
 (:meth:`Reducer.workspace`), allocated from the hook's ``workspace_plan`` before step one.
+With 16-bit gradient slots (:func:`yashard.build.compact_grads`) no hook is called: the default
+hook's reduce-scatter runs a chunk at a time through one ``reduce_dtype`` staging buffer
+(:meth:`Reducer._reduce_chunked`).
 """
 
 from __future__ import annotations
@@ -18,10 +21,11 @@ import logging
 import torch
 
 from .buffers import Slot
-from .collectives import Comm
+from .collectives import Comm, WorkFuture
 from .comm_hooks import GradBucket, reduce_scatter_hook
 from .config import ShardConfig
 from .events import Pending, Streams, labelled
+from .layout import chunk_bounds
 from .pass_state import PassState, What
 from .unit import Unit
 
@@ -32,7 +36,7 @@ class Reducer:
     """Issues the reductions, holds what they write through, and waits for them."""
 
     def __init__(self, comm: Comm, config: ShardConfig, streams: Streams, state: PassState,
-                 reduce_out_numel: int, device: torch.device):
+                 reduce_out_numel: int, device: torch.device, chunk: int = 0):
         self.comm = comm
         self.config = config
         self.streams = streams
@@ -54,6 +58,14 @@ class Reducer:
         self.reduce_out: torch.Tensor | None = None
         if comm.shard_world > 1:
             self.reduce_output(0)
+        # Gradient slots in param_dtype (build.compact_grads): each unit's gradients are widened
+        # into this staging buffer ``chunk`` elements per rank at a time, and every chunk is
+        # reduce-scattered on its own (:meth:`_reduce_chunked`). None: the comm hook reduces the
+        # slots' reduce_dtype buffers whole.
+        self.chunk = chunk
+        self.staging: torch.Tensor | None = None
+        if chunk:
+            self.staging = torch.empty(comm.shard_world * chunk, dtype=config.wire_dtype, device=device)
 
     def reduce(self, unit: Unit) -> None:
         """Reduce ``unit``'s gradients, now complete in its grad slot (R3), into ``master.grad``."""
@@ -68,7 +80,10 @@ class Reducer:
         what = What(self.op_name, unit.name, self.state.phase(), self.hint)
         with torch.no_grad(), self.streams.comm_context(), labelled(unit.reduce_label), self.comm.issuing(what):
             self.streams.comm.wait_event(ready)
-            work = self.comm_hook(self.comm_hook_state, bucket)
+            if self.staging is not None:
+                work = self._reduce_chunked(unit, what)
+            else:
+                work = self.comm_hook(self.comm_hook_state, bucket)
         if not callable(getattr(work, "wait", None)):
             raise TypeError(
                 f"comm hook {getattr(self.comm_hook, '__name__', self.comm_hook)!r} returned "
@@ -80,6 +95,37 @@ class Reducer:
         slot.grad_busy = pending
         self._last = pending
         self.pending.append(pending)
+
+    def _reduce_chunked(self, unit: Unit, what: What) -> WorkFuture:
+        """The default hook's SUM reduce-scatter of ``unit``'s ``param_dtype`` gradients, a chunk at a
+        time: rank ``r``'s part ``[lo, lo + k)`` of each rank's shard range is widened into the staging
+        buffer (exactly: every 16-bit value is an fp32 value), which is reduce-scattered into
+        ``[lo, lo + k)`` of the output. The next chunk overwrites the staging buffer once the previous
+        one's reduce-scatter finished (on CUDA the communication stream waits; the host does not).
+        The last chunk is in flight when this returns; the next reduction waits for it (R6)."""
+        comm = self.comm
+        w, n = comm.shard_world, unit.layout.shard_numel
+        rows = unit.flat_grads().view(w, n)
+        out = self.reduce_output(n)
+        wire = self.config.wire_dtype
+        scratch = comm.reduce_scatter_needs_scratch()
+        fut = None
+        for lo, k in chunk_bounds(n, self.chunk):
+            if fut is not None:
+                comm.wait(fut, what)  # (its reduce-scatter still reads the staging buffer)
+            stage = self.staging.narrow(0, 0, w * k)
+            stage.view(w, k).copy_(rows.narrow(1, lo, k))
+            fut = comm.reduce_scatter(out.narrow(0, lo, k), stage, unit.name,
+                                      scratch=self.workspace("reduce_scatter", w * k, wire) if scratch else None)
+        if fut is None:  # (an empty shard: nothing to reduce)
+            fut = torch.futures.Future()
+            fut.set_result(out)
+        return WorkFuture(fut, lambda: out)
+
+    def drop_staging(self) -> None:
+        """A comm hook was registered: the slots get ``reduce_dtype`` gradient buffers, which the
+        hook reduces whole; the staging buffer goes."""
+        self.staging, self.chunk = None, 0
 
     def _accumulate(self, unit: Unit, value) -> None:
         """Hybrid all-reduce, then post-divide, in fp32, into the persistent grad."""
@@ -157,6 +203,12 @@ class Reducer:
         :mod:`yashard.comm_hooks`) on every unit's bucket, so the memory plan holds it before step
         one and the first backward allocates nothing. A hook without a plan allocates at its first call."""
         self.hook_planned = False
+        if self.staging is not None:  # the chunked reduction: the default hook's needs for one chunk
+            for name, numel, dtype in reduce_scatter_hook.workspace_plan(None, self.comm, self.staging.numel(),
+                                                                         self.config.wire_dtype):
+                self.workspace(name, numel, dtype)
+            self.hook_planned = True
+            return
         plan = getattr(self.comm_hook, "workspace_plan", None)
         if plan is None:
             return

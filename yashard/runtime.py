@@ -60,10 +60,12 @@ class Runtime:
         slot_of, sizes, grad_sizes = build.slot_sizes(groups, layouts, config)
         self.direct = build.direct_slots(self.world, config)
         self.state = PassState(direct_grads=build.direct_grads(self.direct, self.dp_world, config))
+        compact = build.compact_grads(config, self.world, self.direct)
         self.slots = build.make_slots(sizes, grad_sizes, self.world, config, device, self.direct,
-                                      self.state.direct_grads)
+                                      self.state.direct_grads, compact)
         self.reducer = Reducer(comm, config, self.streams, self.state,
-                               max(grad_sizes[name] for name in self.slots) // self.world, device)
+                               max(grad_sizes[name] for name in self.slots) // self.world, device,
+                               build.staging_chunk(grad_sizes, self.world, config) if compact else 0)
         self.gathers = Gathers(comm, config, self.streams, self.state, self.slots, device)
         shards = masters.materialise(model, weights, comm, config, groups, layouts, device)
         unit_set, removed = build.make_units(groups, layouts, self.slots, slot_of, shards, config, self.state,
@@ -280,7 +282,8 @@ class Runtime:
             direct=self.direct, direct_grads=self.state.direct_grads, reduce_out=self.reducer.reduce_out is not None,
             workspaces=tuple((name, t.numel(), t.numel() * t.element_size())
                              for name, t in self.reducer.workspaces.items()),
-            hook_planned=self.reducer.hook_planned)
+            hook_planned=self.reducer.hook_planned,
+            staging_numel=self.reducer.staging.numel() if self.reducer.staging is not None else 0)
 
     def memory_plan(self) -> MemoryPlan:
         return plan_memory(self.memory_inputs())
@@ -293,6 +296,8 @@ class Runtime:
                 out[f"slot.{slot.name}.{k}"] = t
         if self.reducer.reduce_out is not None:
             out["reduce_out"] = self.reducer.reduce_out
+        if self.reducer.staging is not None:
+            out["reduce_staging"] = self.reducer.staging
         if self.gathers.qwz_workspace is not None:
             out["qwz_workspace"] = self.gathers.qwz_workspace
         for u in self.units:

@@ -118,7 +118,7 @@ class Unit:
             n = sum(hi - lo for lo, hi in self.frozen_ranges)
             self.frozen_values = torch.empty(n, dtype=master.dtype, device=master.device) if n else None
         self.frozen_kept = False
-        self.gather_src = master    # replaced by a param_dtype copy when param_dtype != fp32
+        self.gather_src = master    # direct slots with a 16-bit param_dtype: its cast copy (build.make_units)
         self.direct_source: torch.Tensor | None = None  # direct slots (shard world 1): gather_src's alias
         self.secondary: torch.Tensor | None = None  # hpZ: this rank's secondary slice of the gathered unit
         self.secondary_version = -1  # master._version of the weights ``secondary`` holds

@@ -74,6 +74,8 @@ def memory_inputs(model: nn.Module, config: ShardConfig, topo: Topology, backend
     slot_of, sizes, grad_sizes = build.slot_sizes(groups, layouts, config)
     direct = build.direct_slots(world, config)
     direct_grads = build.direct_grads(direct, topo.world, config)
+    compact = build.compact_grads(config, world, direct)
+    staging = world * build.staging_chunk(grad_sizes, world, config) if compact else 0
     slots = tuple(SlotSize(name, numel, 0 if direct_grads else grad_sizes[name], direct)
                   for name, numel in sizes.items() if numel > 0)
     units = []
@@ -88,16 +90,17 @@ def memory_inputs(model: nn.Module, config: ShardConfig, topo: Topology, backend
     # What the default hook asks for on every trained unit's bucket (Reducer.plan_workspaces), kept
     # once per name at the largest request, as Reducer.workspace grows it.
     comm = _PlannedComm(world, needs_reduce_scatter_scratch(backend == "gloo", world))
+    # (the chunked reduction of param_dtype gradient slots: what it asks for one chunk)
     largest: dict[str, tuple[int, torch.dtype]] = {}
     for key, u in zip(groups, units):
         if u.trains:
-            for name, numel, dtype in reduce_scatter_hook.workspace_plan(None, comm, layouts[key].padded,
-                                                                         config.wire_dtype):
+            numel = staging or layouts[key].padded
+            for name, numel, dtype in reduce_scatter_hook.workspace_plan(None, comm, numel, config.wire_dtype):
                 largest[name] = max(largest.get(name, (0, dtype)), (numel, dtype), key=lambda x: x[0])
     workspaces = tuple((name, numel, numel * dtype_bytes(dtype)) for name, (numel, dtype) in largest.items())
     return MemoryInputs(config=config, world=world, slots=slots, units=tuple(units), direct=direct,
                         direct_grads=direct_grads, reduce_out=world > 1, workspaces=workspaces,
-                        hook_planned=True)
+                        hook_planned=True, staging_numel=staging)
 
 
 class _PlannedComm:

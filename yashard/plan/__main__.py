@@ -33,7 +33,7 @@ from .presets import PRESETS, preset_config
 
 # Rows whose size does not shrink as the world grows (the slots hold whole units); the others
 # hold this rank's 1/W of the model.
-_FIXED_ROWS = ("slot ", "qwZ codes", "comm hook ")
+_FIXED_ROWS = ("slot ", "qwZ codes", "comm hook ", "reduce-scatter staging")
 
 
 _SIZES = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
@@ -130,6 +130,8 @@ def peaks_report(model, result: MemoryPlan, config: ShardConfig, world: int, *, 
              f"head {_gib(acts.head)} GiB, logits {_gib(acts.logits)} GiB",
              f"  at the forward's end {_gib(acts.forward_end)} GiB; the loss's backward adds {_gib(acts.loss_backward)}, "
              f"a layer's weight gradients {_gib(acts.layer_grads)}",
+             "  (yashard: autograd computes all of a layer's weight gradients before Narrow copies them into the "
+             "gradient slot, so for a moment they exist outside the plan: in the peaks below)",
              "peak per rank (GiB):",
              f"  {'engine':<17} {'state':>8} {'peak':>8}  {'at':<40}" + ("  fits  largest micro-batch" if gpu_memory else "")]
     for name, peak_of in engines.items():

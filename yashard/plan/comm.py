@@ -17,6 +17,9 @@ The rules are yashard's schedule (docs/design.md, "No gather twice"):
   (hybrid with ``shard_group_size=1``) nothing is gathered at all: the slots are direct;
 - every trained unit is reduce-scattered once per backward, over the shard group, in
   ``reduce_dtype``; under hybrid sharding its chunk is then all-reduced over the replica group;
+  when the gradient slots are in ``param_dtype`` (``build.compact_grads``: 16-bit compute, fp32
+  reduction, the default hook) it is reduce-scattered in chunks of at most the staging buffer
+  (``layout.reduce_chunk``), the same bytes in more messages;
 - qwZ gathers each rank's int8 or int4 codes and fp32 scales (``quant.qwz_workspace_nbytes``)
   instead of ``param_dtype`` values, the norm group exact; with hpZ the backward re-gathers read
   the secondary group, exact;
@@ -35,6 +38,7 @@ from dataclasses import dataclass
 
 from .. import build, partition
 from ..config import ShardConfig
+from ..layout import chunk_bounds, reduce_chunk
 from ..memory import dtype_bytes
 from ..patch.spec import resolve_spec
 from ..quant import packed_nbytes, qwz_workspace_nbytes
@@ -91,6 +95,10 @@ def yashard_collectives(units: dict[str, tuple[int, bool]], *, world: int, confi
     group = "world" if s == world else "shard"
     layers = [k for k in units if k.startswith("layer_")]
     out: list[Collective] = []
+    chunk = 0  # (a registered hook, qgZ's, reduces reduce_dtype slots whole)
+    if qgz is None and build.compact_grads(config, s, build.direct_slots(s, config)):
+        chunk = reduce_chunk(max((padded // s for padded, trains in units.values() if trains), default=0), s,
+                             config.shard_align)
 
     def gather(phase: str, unit: str, secondary: bool = False) -> None:
         padded = units[unit][0]
@@ -139,6 +147,9 @@ def _reductions(out: list, units: dict[str, tuple[int, bool]], s: int, replicas:
             if nodes > 1 or local == 1:
                 out.append(Collective("all_to_all", "backward", unit + "/inter", "cross_node", nodes, nodes * part,
                                       nodes * part))
+        elif chunk:
+            for _, k in chunk_bounds(padded // s, chunk):
+                out.append(Collective("reduce_scatter", "backward", unit, group, s, s * k, s * k * g))
         else:
             out.append(Collective("reduce_scatter", "backward", unit, group, s, padded, padded * g))
         if replicas > 1:

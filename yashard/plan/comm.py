@@ -127,13 +127,14 @@ def yashard_collectives(units: dict[str, tuple[int, bool]], *, world: int, confi
         if s > 1 and config.reshard_after_forward:
             for unit in layers[:-2]:
                 gather("backward", unit, secondary=h is not None)
-        _reductions(out, units, s, replicas, g, group, qgz, config)
+        _reductions(out, units, s, replicas, g, group, qgz, config, chunk)
     return tuple(out)
 
 
 def _reductions(out: list, units: dict[str, tuple[int, bool]], s: int, replicas: int, g: int, group: str,
-                qgz: Qgz | None, config: ShardConfig) -> None:
-    """One backward's reductions: every trained unit's, in the log's units and sizes."""
+                qgz: Qgz | None, config: ShardConfig, chunk: int) -> None:
+    """One backward's reductions: every trained unit's, in the log's units and sizes (``chunk``:
+    elements per rank of each reduce-scatter of 16-bit gradient slots; 0: whole units)."""
     for unit, (padded, trains) in units.items():
         if not trains:
             continue

@@ -10,8 +10,14 @@ Needs ``accelerate`` (``pip install yashard[hf]``); imported only when used (``i
 
 from __future__ import annotations
 
-from .accelerator import Accelerator
-from .trainer import ShardedTrainerMixin, Trainer, shard_config_from_args, sharded_trainer
+try:
+    import accelerate  # noqa: F401
+except ImportError as e:  # (a clear message instead of one deep inside the trainer's imports)
+    raise ImportError("yashard.hf needs Hugging Face Accelerate: pip install 'yashard[hf]' "
+                      "(accelerate, trl, peft, datasets)") from e
+
+from .accelerator import Accelerator  # noqa: E402
+from .trainer import ShardedTrainerMixin, Trainer, shard_config_from_args, sharded_trainer  # noqa: E402
 
 __all__ = ["Accelerator", "Trainer", "SFTTrainer", "ShardedTrainerMixin", "sharded_trainer", "shard_config_from_args"]
 

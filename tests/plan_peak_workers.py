@@ -36,7 +36,8 @@ def _kib(key: str) -> int:
         return int(re.search(rf"^{key}:\s+(\d+)", f.read(), re.M).group(1)) * 1024
 
 
-def _reset_peak() -> bool:
+def reset_peak() -> bool:
+    """Reset this process's RSS high-water mark; False where /proc/self/clear_refs is not writable."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -51,7 +52,7 @@ def measure(rank: int, world: int, engine: str) -> dict:
     libc = ctypes.CDLL("libc.so.6")
     libc.mallopt(-3, 64 * 1024)   # M_MMAP_THRESHOLD: large blocks come from mmap and go back on free
     libc.mallopt(-1, 128 * 1024)  # M_TRIM_THRESHOLD
-    if not _reset_peak():
+    if not reset_peak():
         return {"forward": None, "peak": None}
     ids = torch.randint(0, SHAPE["vocab_size"], (world * MICRO_BATCH, SEQ), generator=torch.Generator().manual_seed(0))
     ids = ids.chunk(world)[rank]
@@ -80,7 +81,7 @@ def measure(rank: int, world: int, engine: str) -> dict:
     for _ in range(3):
         gc.collect()
         start = _kib("VmRSS")
-        _reset_peak()
+        reset_peak()
         out = model(input_ids=ids, labels=ids)
         forward = _kib("VmRSS") - start
         out.loss.backward()

@@ -8,21 +8,14 @@ import sys
 
 import pytest
 
+from plan_peak_workers import reset_peak
+
 RECIPES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes")
-
-
-def _can_reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def test_zero3_estimate_is_within_10_percent_of_the_measured_peak():
     pytest.importorskip("deepspeed")
-    if not _can_reset_peak():
+    if not reset_peak():
         pytest.skip("VmHWM cannot be reset here (/proc/self/clear_refs)")
     sys.path.insert(0, RECIPES)
     try:

@@ -151,6 +151,21 @@ def use_returning_malloc() -> None:
         pass
 
 
+def start_measured_rank(what: str) -> "Memory":
+    """A torchrun rank whose RSS peaks can be measured: the peak reset (Linux's clear_refs), glibc
+    returning freed blocks, a gloo group, one thread. ``what`` names the recipe in the error."""
+    import torch.distributed as dist
+
+    mem = Memory(torch.device("cpu"))
+    mem.reset_peak()
+    if not mem.hwm_resettable:
+        raise SystemExit(f"{what} needs a writable /proc/self/clear_refs to reset the peak")
+    use_returning_malloc()
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    return mem
+
+
 def _status_kib(key: str) -> int:
     with open("/proc/self/status") as f:
         return int(re.search(rf"^{key}:\s+(\d+)", f.read(), re.M).group(1))

@@ -98,13 +98,7 @@ def finish(eng) -> None:
 
 def worker(args) -> None:
     """One engine on one model and dtype: RSS increments per phase of each step, max over ranks."""
-    mem = be.Memory(torch.device("cpu"))
-    mem.reset_peak()
-    if not mem.hwm_resettable:
-        raise SystemExit("plan_check needs a writable /proc/self/clear_refs to reset the peak")
-    be.use_returning_malloc()
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
+    mem = be.start_measured_rank("plan_check")
     rank = dist.get_rank()
     shape = be.model_shape(args.model)
     vocab = be.COMMON["vocab_size"]

@@ -24,6 +24,7 @@ one for another subclass). The user's ``TrainingArguments`` stay as they are. Wh
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import inspect
 import logging
@@ -66,7 +67,7 @@ def shard_config_from_args(args, config: ShardConfig | None, num_layers: int) ->
         else:
             changes["checkpoint_layers"] = num_layers
     base = config if config is not None else ShardConfig()
-    return base if not changes else ShardConfig(**{**_fields(base), **changes})
+    return dataclasses.replace(base, **changes) if changes else base
 
 
 _CHECKPOINTING = ("activation_checkpointing", "gradient_checkpointing")  # (the second: its name before transformers 5.x)
@@ -91,12 +92,6 @@ def checkpointing_off(args) -> None:
     for name in _CHECKPOINTING:
         if hasattr(args, name):
             setattr(args, name, False)
-
-
-def _fields(config: ShardConfig) -> dict:
-    import dataclasses
-
-    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
 
 
 def _num_layers(model) -> int:

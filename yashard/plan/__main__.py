@@ -72,8 +72,8 @@ def report(plan: MemoryPlan, gpu_memory: int | None = None) -> str:
         lines.append(f"  {r.name:<{width}}  {r.bytes / gib:9.3f} GiB  {kind:<5}  {r.formula}")
     lines.append(f"  {'yashard total':<{width}}  {plan.total_bytes / gib:9.3f} GiB         "
                  f"fixed {fixed / gib:.3f} GiB + 1/W {shrinking / gib:.3f} GiB")
-    lines.append(f"  {'+ AdamW state':<{width}}  {plan.adamw_bytes / gib:9.3f} GiB  1/W    two fp32 moments per "
-                 "trained element, held by the optimizer")
+    lines.append(f"  {'+ AdamW state':<{width}}  {plan.adamw_bytes / gib:9.3f} GiB  1/W    "
+                 f"{plan.adamw_formula or 'two fp32 moments per trained element'}, held by the optimizer")
     state = plan.total_bytes + plan.adamw_bytes
     lines.append(f"  {'model state':<{width}}  {state / gib:9.3f} GiB")
     if gpu_memory is not None:

@@ -21,6 +21,7 @@ Everything else is Accelerate's own.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import re
@@ -72,6 +73,17 @@ def precision_dtype(mixed_precision: str) -> torch.dtype:
     return _PRECISION_DTYPES[mixed_precision]
 
 
+def with_precision(config: ShardConfig | None, dtype: torch.dtype) -> ShardConfig:
+    """``config`` (or the default) computing in ``dtype`` when mixed precision asks for it: an fp32
+    ``param_dtype`` becomes ``dtype``, with a note (masters stay fp32); a narrower one stays."""
+    config = config if config is not None else ShardConfig()
+    if dtype == torch.float32 or config.param_dtype != torch.float32:
+        return config
+    logger.info("yashard: mixed precision computes in %s: param_dtype=torch.float32 becomes %s (masters stay fp32)",
+                dtype, dtype)
+    return dataclasses.replace(config, param_dtype=dtype)
+
+
 def check_precision(model: ShardedModel, mixed_precision: str) -> None:
     """Refuse a sharded model whose compute dtype is wider than ``mixed_precision`` asks for:
     with no autocast around it, it would silently compute in fp32."""
@@ -93,11 +105,15 @@ def raw_optimizer(optimizer):
 
 
 def optimizer_of(model: ShardedModel, optimizers: list):
-    """The one optimizer among ``optimizers`` that trains ``model``'s shards (None if none does)."""
+    """The optimizer among ``optimizers`` that trains ``model``'s shards (None if there is none);
+    any other prepared optimizer is refused, as yashard.hf saves and loads that one only."""
     mine = {id(p) for p in model.parameters()}
     found = [o for o in optimizers if any(id(p) in mine for g in raw_optimizer(o).param_groups for p in g["params"])]
     if len(found) > 1:
         raise ValueError("more than one optimizer trains the yashard model's shards; yashard.hf saves one")
+    if len(optimizers) > len(found):
+        raise ValueError("an optimizer that does not train the yashard model's shards was prepared; yashard.hf saves "
+                         "and loads the model's own optimizer only")
     return raw_optimizer(found[0]) if found else None
 
 
@@ -115,16 +131,7 @@ class Accelerator(_Accelerator):
 
     def yashard_config(self) -> ShardConfig:
         """The ``ShardConfig`` for a model this accelerator shards."""
-        config = getattr(self, "shard_config", None)
-        dtype = precision_dtype(self.mixed_precision)
-        if config is None:
-            return ShardConfig(param_dtype=dtype)
-        if dtype != torch.float32 and config.param_dtype == torch.float32:
-            raise ValueError(
-                f"mixed precision {self.mixed_precision!r} but shard_config has param_dtype=torch.float32; set "
-                "ShardConfig(param_dtype=torch.bfloat16)"
-            )
-        return config
+        return with_precision(getattr(self, "shard_config", None), precision_dtype(self.mixed_precision))
 
     def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
                       evaluation_mode: bool = False):
@@ -142,8 +149,8 @@ class Accelerator(_Accelerator):
         return model
 
     def prepare(self, *args, device_placement=None):
-        unsharded = {id(p): type(m).__name__ for m in args if isinstance(m, torch.nn.Module)
-                     and not isinstance(m, ShardedModel) for p in m.parameters() if p.requires_grad}
+        unsharded = {id(p) for m in args if isinstance(m, torch.nn.Module) and not isinstance(m, ShardedModel)
+                     for p in m.parameters() if p.requires_grad}
         for opt in args:
             if isinstance(raw_optimizer(opt), torch.optim.Optimizer) and any(
                     id(p) in unsharded for g in raw_optimizer(opt).param_groups for p in g["params"]):
@@ -242,13 +249,10 @@ class Accelerator(_Accelerator):
         model = self._sharded_model("save_state")
         if model is None:
             return super().save_state(output_dir, safe_serialization, **save_model_func_kwargs)
+        optimizer = optimizer_of(model, self._optimizers)  # (checked before anything is written)
         output_dir = self._save_dir(output_dir)
         os.makedirs(output_dir, exist_ok=True)
-        save_checkpoint(os.path.join(output_dir, CHECKPOINT_DIR), model, optimizer_of(model, self._optimizers))
-        others = [o for o in self._optimizers if raw_optimizer(o) is not optimizer_of(model, self._optimizers)]
-        if others:
-            raise ValueError("save_state with a yashard model: an optimizer that does not train the model's shards "
-                             "was prepared; yashard.hf saves the model's own optimizer only")
+        save_checkpoint(os.path.join(output_dir, CHECKPOINT_DIR), model, optimizer)
         location = save_accelerator_state(
             output_dir, [], [], self._schedulers, self._dataloaders, self.state.process_index, self.step,
             self.scaler, save_on_each_node=self.project_configuration.save_on_each_node,

@@ -40,7 +40,7 @@ from ..config import ShardConfig
 from ..hf_export import export_hf
 from ..sharded_model import ShardedModel
 from ..peft_adapter import save_adapter
-from .accelerator import CHECKPOINT_DIR, Accelerator, ensure_process_group, raw_optimizer
+from .accelerator import CHECKPOINT_DIR, Accelerator, ensure_process_group, raw_optimizer, with_precision
 
 logger = logging.getLogger("yashard")
 
@@ -55,19 +55,10 @@ def shard_config_from_args(args, config: ShardConfig | None, num_layers: int) ->
     if getattr(args, "fp16", False):
         raise ValueError("TrainingArguments(fp16=True) with yashard: yashard.hf trains in fp32 or bf16; set bf16=True "
                          "instead")
-    changes = {}
-    if getattr(args, "bf16", False) and (config is None or config.param_dtype == torch.float32):
-        if config is not None:
-            logger.info("yashard: bf16=True computes in bf16: shard_config's param_dtype=torch.float32 becomes "
-                        "torch.bfloat16 (masters stay fp32)")
-        changes["param_dtype"] = torch.bfloat16
-    if checkpointing(args):
-        if config is not None and 0 < config.checkpoint_layers < num_layers:
-            pass  # the user chose which layers yashard checkpoints
-        else:
-            changes["checkpoint_layers"] = num_layers
-    base = config if config is not None else ShardConfig()
-    return dataclasses.replace(base, **changes) if changes else base
+    config = with_precision(config, torch.bfloat16 if getattr(args, "bf16", False) else torch.float32)
+    if checkpointing(args) and not 0 < config.checkpoint_layers < num_layers:  # (else: the user chose the layers)
+        config = dataclasses.replace(config, checkpoint_layers=num_layers)
+    return config
 
 
 _CHECKPOINTING = ("activation_checkpointing", "gradient_checkpointing")  # (the second: its name before transformers 5.x)

@@ -279,4 +279,33 @@ def refusals(rank, world, out):
     with pytest.raises(ValueError) as e:
         yashard.hf.Trainer(model=models.build("llama"), args=TrainingArguments(out, use_cpu=True, fsdp="full_shard"))
     got["fsdp"] = str(e.value)
+    with pytest.raises(ValueError) as e:
+        yashard.hf.Trainer(model=models.build("llama"), args=_args(out, torch_compile=True))
+    got["torch_compile"] = str(e.value)
+    with pytest.raises(ValueError) as e:
+        yashard.hf.Trainer(args=_args(out), model_init=lambda: models.build("llama"))
+    got["model_init"] = str(e.value)
+    with pytest.raises(ValueError) as e:
+        yashard.hf.Trainer(model=models.build("llama"), args=_args(
+            out, gradient_checkpointing=True, gradient_checkpointing_kwargs={"every_n_layers": 2}))
+    got["every_n_layers"] = str(e.value)
+    from trl import SFTTrainer
+
+    with pytest.raises(ValueError) as e:
+        yashard.hf.sharded_trainer(SFTTrainer)(model=sharded, args=_args(out), peft_config=lora_config())
+    got["peft_config_sharded"] = str(e.value)
+    trainer = yashard.hf.Trainer(model=models.build("llama"), args=_args(out), train_dataset=lm_data())
+    os.makedirs(os.path.join(out, "not-ours"), exist_ok=True)
+    with pytest.raises(FileNotFoundError) as e:
+        trainer.train(resume_from_checkpoint=os.path.join(out, "not-ours"))
+    got["resume_other"] = str(e.value)
+    acc = yashard.hf.Accelerator(cpu=True)
+    acc.prepare(models.build("llama"))
+    with pytest.raises(FileNotFoundError) as e:
+        acc.load_state(os.path.join(out, "not-ours"))
+    got["load_state_other"] = str(e.value)
+    acc.prepare(models.build("llama", seed=1))  # (a second trained model: prepare shards it too)
+    with pytest.raises(ValueError) as e:
+        acc.save_state(os.path.join(out, "state"))
+    got["two_models"] = str(e.value)
     return got

@@ -501,7 +501,7 @@ def test_error_index_damaged(saved):
         yashard.load_checkpoint(root, _fresh()[0])
     (save_dir / "index.json").write_text(json.dumps({**index, "format_version": 99}))
     with pytest.raises(CheckpointError, match=r"has format_version 99, written by yashard 0\.1\.0; this yashard reads "
-                                              r"format_version <= 2: upgrade yashard"):
+                                              r"format_version <= 3: upgrade yashard"):
         yashard.load_checkpoint(root, _fresh()[0])
     bad = json.loads(json.dumps(index))
     bad["params"]["model.norm.weight"]["pieces"][0]["lo"] = 1

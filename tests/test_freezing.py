@@ -88,8 +88,11 @@ def test_frozen_parameters_with_accumulation_checkpointing_bf16_and_per_unit_buf
     bf16, ref = results[2], run_reference({**scenarios[2], "world": 2})
     assert loss_rel_err(bf16["losses"], ref["losses"]) < 1e-2
     assert_params_close(bf16["params"], ref["params"], 2e-2, noise_rtol=None, tensor_rtol=5e-2)
-    for k in frozen_names(ref["params"], patterns):  # the fp32 masters of frozen weights never move
-        assert torch.equal(bf16["params"][k], ref["params"][k]), k
+    for k in frozen_names(ref["params"], patterns):  # the masters of frozen weights never move
+        # (a wholly frozen unit, layer 2 and the embedding, keeps its master in bf16: test_frozen_masters.py)
+        whole = "layers.2." in k or "embed_tokens" in k
+        want = ref["params"][k].to(torch.bfloat16).float() if whole else ref["params"][k]
+        assert torch.equal(bf16["params"][k], want), k
 
 
 def test_checkpoints_of_a_partly_frozen_model_resume_and_reshard(tmp_path):

@@ -20,6 +20,8 @@ CASES = {
     "tied": ({}, (), "gemma"),
     "frozen embedding": ({}, ("embed_tokens",), "llama"),
     "frozen q_proj": ({"param_dtype": torch.bfloat16}, ("q_proj",), "llama"),
+    # the embedding and layer 0 wholly frozen: bf16 masters (the norm group, partly frozen, fp32)
+    "frozen layer bf16": ({"param_dtype": torch.bfloat16}, ("embed_tokens", "layers.0."), "llama"),
 }
 # only where they apply: hybrid sharding and hpZ need the world size to divide
 BY_WORLD = {

@@ -53,6 +53,17 @@ def compact_grads(config: ShardConfig, shard_world: int, direct: bool) -> bool:
             and dtype_bytes(config.param_dtype) < dtype_bytes(config.wire_dtype))
 
 
+def master_dtype(config: ShardConfig, trains: bool) -> torch.dtype:
+    """The dtype a unit's master shard is kept in: fp32, except for a frozen unit (every parameter
+    frozen at ``shard()``) under a 16-bit ``param_dtype``, which keeps its shard in ``param_dtype``.
+    Its weights never change and are gathered in ``param_dtype`` anyway, so the fp32 master rounded
+    once at build gives the bits every gather would (the gathers need no cast, and direct slots no
+    cast copy); 2 bytes per element instead of 4."""
+    if not trains and dtype_bytes(config.param_dtype) < 4:
+        return config.param_dtype
+    return torch.float32
+
+
 def staging_chunk(grad_sizes: dict[str, int], world: int, config: ShardConfig) -> int:
     """Each rank's part of one chunk of the chunked reduction (:func:`compact_grads`): the staging
     buffer holds ``world`` times it."""
@@ -168,9 +179,10 @@ def make_units(groups: dict[str, list], layouts: dict[str, FlatLayout], slots: d
         )
         unit.name_in_traces({"small": "norm group", "adapters": "adapter group"}.get(key) or module_name(spec, unit))
         # Over a one-rank shard group the views read the unit's own shard in place (direct slots):
-        # with a 16-bit param_dtype that is a cast copy of the master, kept. Every other gather
-        # casts the master into this rank's own chunk of the slot and gathers in place (gathers.py).
-        if direct and config.param_dtype != torch.float32:
+        # with a 16-bit param_dtype that is a cast copy of an fp32 master, kept (a frozen unit's
+        # master is in param_dtype already: master_dtype). Every other gather casts an fp32 master
+        # into this rank's own chunk of the slot and gathers in place (gathers.py).
+        if direct and master.dtype != config.param_dtype:
             unit.gather_src = torch.empty(master.shape, dtype=config.param_dtype, device=device)
         if direct:  # (an alias: the views' in-place writes move its own version counter)
             unit.direct_source = own_version_alias(unit.gather_src)

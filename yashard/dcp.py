@@ -1,7 +1,9 @@
 """``torch.distributed.checkpoint`` (DCP) views of the sharded model.
 
 :meth:`ShardedModel.sharded_state_dict` maps every HF parameter name to a :class:`ShardedParameter`:
-a tensor of the parameter's full shape whose data lives in the rank's fp32 master shards. A rank's
+a tensor of the parameter's full shape whose data lives in the rank's master shards, in their dtype
+(fp32; a frozen unit's 16-bit ``param_dtype``: DCP stores that dtype, and its load casts what it
+reads into the master's, so a checkpoint of either ``param_dtype`` loads into the other). A rank's
 shard of a unit is one flat range, so its part of a parameter is a flat range of that parameter,
 which :func:`yashard.layout.flat_range_boxes` cuts into at most ``2 * ndim - 1`` rectangular
 boxes; DCP sees them as the chunks this rank holds (the protocol DTensor implements:

@@ -10,7 +10,8 @@ A gather is used only while the masters keep the version it was gathered at
 ``param_dtype`` a gather first casts this rank's fp32 master into its own chunk of the slot, on the
 communication stream, and gathers in place: no cast copy of the masters is kept. Only direct slots
 keep one, the ``param_dtype`` source the views read, recast from the masters when they changed
-(:meth:`Gathers.refresh_sources`).
+(:meth:`Gathers.refresh_sources`). A frozen unit's master is in ``param_dtype`` already
+(:func:`yashard.build.master_dtype`): it is gathered, or shown, as it is.
 """
 
 from __future__ import annotations

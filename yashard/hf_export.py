@@ -53,6 +53,7 @@ import torch
 from ._io import StreamedSafetensors, exchange_dirs, fsync_dir, fsync_file
 from .checkpoint import CheckpointError, agree
 from .hf_names import stored_shapes, to_stored
+from .masters import gather_whole
 from .peft_adapter import check_plain_names, gather_units, lora_merge_plan
 from .saved_state import persistent_buffers
 from .sharded_model import runtime_of
@@ -207,8 +208,10 @@ def export_hf(model, path: str | os.PathLike, *, dtype: torch.dtype | None = Non
     and is written to the config. Atomic (module docstring): ``path`` holds either the previous
     folder or the complete new one. Returns ``path``.
 
-    A PEFT LoRA model is written as the plain HF model, its active adapters merged into the base
-    weights (``W + B @ A * scaling``, as peft's ``merge_and_unload``). PEFT layers it cannot merge
+    A frozen unit's master kept in a 16-bit ``param_dtype`` is written as those values (widened to
+    fp32, then cast to ``dtype``). A PEFT LoRA model is written as the plain HF model, its active
+    adapters merged into the base weights (``W + B @ A * scaling``, as peft's ``merge_and_unload``),
+    in fp32 over the base weights as held, then cast once to ``dtype``. PEFT layers it cannot merge
     (DoRA, LoRA on embeddings, ``modules_to_save``) are refused: save those with
     :func:`yashard.save_adapter`.
     """
@@ -288,8 +291,7 @@ def export_hf(model, path: str | os.PathLike, *, dtype: torch.dtype | None = Non
         for u, unit_kept, unit_stored in zip(units, kept, per_unit):
             if not unit_kept:  # (the adapter group, merged into the base weights: nothing of it is stored)
                 continue
-            flat = torch.empty(u.layout.padded, dtype=torch.float32, device=u.master.device)
-            comm.wait(comm.all_gather(flat, u.master.detach().contiguous(), u.name), f"all_gather of {u.name} (export_hf)", host=True)
+            flat = gather_whole(comm, u, u.master, "export_hf")  # (fp32: a 16-bit frozen master widened)
             mine = range(at, at + len(unit_stored))
             at = mine.stop
             if comm.rank != 0 or err is not None:

@@ -273,8 +273,8 @@ def from_folder(folder: HFFolder, model: nn.Module, groups, layouts, masters, ra
         entry = layout.entries[index]
         for piece in shard_pieces(layout, rank):
             if piece.entry == index:
-                part = folder.read(name, piece.entry_start, piece.entry_end)
-                masters[key][piece.shard_start : piece.shard_start + piece.numel].copy_(part)
+                part = folder.read(name, piece.entry_start, piece.entry_end)  # (in fp32: masters.py)
+                masters[key][piece.shard_start : piece.shard_start + piece.numel].copy_(part.float())
     for key, sources in converted:
         layout = layouts[key]
         held = hf_names.from_stored(model, {n: folder.read(n).view(folder.shape(n)) for n in sources})
@@ -284,7 +284,7 @@ def from_folder(folder: HFFolder, model: nn.Module, groups, layouts, masters, ra
                 got = "nothing" if value is None else f"shape {list(value.shape)}"
                 raise ValueError(f"{folder.path}: converting {', '.join(sources[:3])}, ... as transformers does gave "
                                  f"{got} for {fqns[0]}, whose shape is {list(entry.shape)}")
-            copy_pieces(masters[key], layout, rank, index, value.reshape(-1))
+            copy_pieces(masters[key], layout, rank, index, value.reshape(-1).float())
     return used
 
 

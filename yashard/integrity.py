@@ -41,8 +41,8 @@ def check_slot_writes(slots: dict[str, Slot], config: ShardConfig, spec: ModelSp
                 owner.gathered = None
             where = ""
             if slot.direct:  # the views read the unit's own shard: the write went into it
-                if config.param_dtype == torch.float32:
-                    where = (" On one rank (shard world 1) these views are the fp32 master shards themselves, "
+                if owner is not None and owner.gather_src is owner.master:  # (fp32, or a 16-bit frozen master)
+                    where = (" On one rank (shard world 1) these views are the master shards themselves, "
                              "so this write did change them; on more ranks it would not have.")
                 forget_casts()  # (a param_dtype copy is cast from the masters again)
             raise RuntimeError(

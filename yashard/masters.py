@@ -1,4 +1,9 @@
-"""Every unit's fp32 master shard: from live weights, an HF folder, or the model's own init.
+"""Every unit's master shard: from live weights, an HF folder, or the model's own init; and one
+gathered whole.
+
+A master is fp32, except a frozen unit's under a 16-bit ``param_dtype``, which is kept in
+``param_dtype`` (:func:`yashard.build.master_dtype`). The readers hand every value in fp32, so
+such a master holds the fp32 value rounded once, the bits a gather of an fp32 master would give.
 
 The weights come from ``weights=<HF folder>`` (each rank reads only its rows), from a model built on
 the meta device (its initialisation replayed one module at a time, from rank 0's RNG state with
@@ -14,7 +19,7 @@ import contextlib
 import torch
 from torch import nn
 
-from . import hf_folder, init_replay, materialize
+from . import build, hf_folder, init_replay, materialize
 from .collectives import Comm
 from .config import ShardConfig
 from .layout import FlatLayout
@@ -22,9 +27,12 @@ from .layout import FlatLayout
 
 def materialise(model: nn.Module, weights: str | None, comm: Comm, config: ShardConfig, groups: dict[str, list],
                 layouts: dict[str, FlatLayout], device: torch.device) -> dict[str, torch.Tensor]:
-    """Every unit's fp32 master shard, from live weights, an HF folder or the model's own init."""
+    """Every unit's master shard (in :func:`yashard.build.master_dtype`), from live weights, an HF
+    folder or the model's own init."""
     rank = comm.shard_rank
-    masters = {k: torch.zeros(layouts[k].shard_numel, dtype=torch.float32, device=device) for k in groups}
+    masters = {k: torch.zeros(layouts[k].shard_numel, device=device,
+                              dtype=build.master_dtype(config, any(p.requires_grad for p, _, _ in members)))
+                for k, members in groups.items()}
     meta = materialize.is_meta_model(model)
     if meta and weights is None:
         live = [n for n, p in model.named_parameters() if not p.is_meta]
@@ -70,3 +78,14 @@ def rank0_rng(comm: Comm, config: ShardConfig, device: torch.device):
     finally:
         if comm.rank != 0:
             torch.set_rng_state(own)
+
+
+def gather_whole(comm: Comm, unit, shard: torch.Tensor, what: str) -> torch.Tensor:
+    """``shard`` (this rank's part of ``unit``: its master, or its gradient) all-gathered over the
+    shard group into the unit's whole flat vector, padding included, in fp32. Collective: every
+    rank of the shard group, the same unit. A 16-bit frozen master is gathered in its own dtype and
+    widened after, which is exact. ``what`` names the caller in a timeout's message."""
+    flat = torch.empty(unit.layout.padded, dtype=shard.dtype, device=shard.device)
+    comm.wait(comm.all_gather(flat, shard.detach().contiguous(), unit.name), f"all_gather of {unit.name} ({what})",
+              host=True)
+    return flat.float()

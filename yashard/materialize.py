@@ -1,4 +1,4 @@
-"""Filling the fp32 master shards: from live weights, from a HuggingFace folder, or by initialisation.
+"""Filling the master shards: from live weights, from a HuggingFace folder, or by initialisation.
 
 :func:`yashard.shard` accepts three kinds of models, and no rank ever holds more of the full model
 than one parameter (meta model) or one unit (live model) at a time:

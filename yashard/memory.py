@@ -20,6 +20,9 @@ def dtype_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+_SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # (the 16-bit param_dtypes, as rows name them)
+
+
 @dataclass(frozen=True)
 class MemoryRow:
     name: str
@@ -37,6 +40,9 @@ class MemoryPlan:
     gradient buffer (units whose parameters were all frozen at ``shard()`` have no state). With PEFT
     adapters the decoder layers are frozen units, and ``T/W`` is the adapter group's shard, plus the
     norm group's when a 1-D parameter trains. ``adamw_formula`` states it with the numbers.
+
+    Masters are fp32, 4 bytes per element, except those of frozen units under a 16-bit
+    ``param_dtype``: ``Z/W`` elements kept in ``param_dtype`` (the row ``bf16 frozen shards``).
     """
 
     rows: tuple[MemoryRow, ...]
@@ -72,12 +78,15 @@ class SlotSize:
 @dataclass(frozen=True)
 class UnitSize:
     """One unit: its shard's elements, whether it trains (has gradient storage), the elements of
-    its frozen values kept over a step (partly frozen units), and, for a decoder layer, its padded size."""
+    its frozen values kept over a step (partly frozen units), for a decoder layer its padded size,
+    and the dtype its master shard is kept in (:func:`yashard.build.master_dtype`: a frozen unit's
+    is ``param_dtype`` when that is 16-bit)."""
 
     shard_numel: int
     trains: bool
     frozen_numel: int = 0
     layer_padded: int | None = None
+    master_dtype: torch.dtype = torch.float32
 
 
 @dataclass(frozen=True)
@@ -142,7 +151,15 @@ def plan_memory(inp: MemoryInputs) -> MemoryPlan:
     n = sum(u.shard_numel for u in inp.units)
     nt = sum(u.shard_numel for u in inp.units if u.trains)
     nf = sum(u.frozen_numel for u in inp.units)
-    rows.append(MemoryRow("fp32 master shards", n, 4 * n, f"N/W={n} * 4"))
+    # frozen units' shards kept in the 16-bit param_dtype (Z/W; every other master is fp32)
+    nz = sum(u.shard_numel for u in inp.units if u.master_dtype != torch.float32)
+    if nz:
+        rows.append(MemoryRow("fp32 master shards", n - nz, 4 * (n - nz),
+                              f"(N-Z)/W={n - nz} * 4 (units with a trainable parameter)"))
+        rows.append(MemoryRow(f"{_SHORT[cfg.param_dtype]} frozen shards", nz, p * nz,
+                              f"Z/W={nz} * {p} (units whose parameters are all frozen, kept in param_dtype)"))
+    else:
+        rows.append(MemoryRow("fp32 master shards", n, 4 * n, f"N/W={n} * 4"))
     if nt == n:
         rows.append(MemoryRow("fp32 grad shards", n, 4 * n, f"N/W={n} * 4"))
     else:  # units whose parameters were all frozen at shard() have none
@@ -150,9 +167,11 @@ def plan_memory(inp: MemoryInputs) -> MemoryPlan:
     if nf:
         rows.append(MemoryRow("frozen values", nf, 4 * nf, f"F={nf} * 4 (frozen parameters of partly frozen units, "
                                                           "kept over the optimizer step)"))
-    cast_copies = cfg.param_dtype != torch.float32 and inp.direct  # (else a gather casts into the slot)
+    # (else a gather casts into the slot; a 16-bit frozen master is read as it is)
+    cast_copies = cfg.param_dtype != torch.float32 and inp.direct and n > nz
     if cast_copies:
-        rows.append(MemoryRow(f"{cfg.param_dtype} gather sources", n, p * n, f"N/W={n} * {p}"))
+        rows.append(MemoryRow(f"{cfg.param_dtype} gather sources", n - nz, p * (n - nz),
+                              f"(N-Z)/W={n - nz} * {p}" if nz else f"N/W={n} * {p}"))
     extra = ""
     if cfg.secondary_group_size is not None:
         h = cfg.secondary_group_size
@@ -165,6 +184,8 @@ def plan_memory(inp: MemoryInputs) -> MemoryPlan:
                               "asked for by the comm hook at its first call (it has no workspace_plan)"))
     cast = f"+{p}" if cast_copies else ""
     masters = f"N/W*(4{cast})" if cast else "N/W*4"
+    if nz:
+        masters = (f"(N-Z)/W*(4{cast})" if cast else "(N-Z)/W*4") + f" + Z/W*{p}"
     shards = f"N/W*(8{cast})" if nt == n else f"{masters} + T/W*4" + (" + F*4" if nf else "")
     if inp.direct_grads:
         slots = "no slot buffers (one rank: the views read the shards, gradients are added to the grad shards)"

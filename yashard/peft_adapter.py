@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from .checkpoint import CheckpointError, agree
+from .masters import gather_whole
 from .partition import base_model_of
 from .saved_state import persistent_buffers
 from .sharded_model import runtime_of
@@ -50,12 +51,9 @@ def peft_model_of(model, what: str) -> tuple[nn.Module, str]:
 def gather_units(rt, units) -> dict[str, torch.Tensor]:
     """Full fp32 tensors of ``units`` by every HF name (a collective: every rank, the same units)."""
     out: dict[str, torch.Tensor] = {}
-    comm = rt.comm
     with torch.no_grad():
         for u in units:
-            flat = torch.empty(u.layout.padded, dtype=torch.float32, device=u.master.device)
-            comm.wait(comm.all_gather(flat, u.master.detach().contiguous(), u.name),
-                      f"all_gather of {u.name} (adapter weights)", host=True)
+            flat = gather_whole(rt.comm, u, u.master, "adapter weights")
             for entry, fqns in zip(u.layout.entries, u.fqns):
                 t = flat[entry.offset:entry.end].view(entry.shape).clone()
                 for fqn in fqns:
@@ -152,7 +150,8 @@ class LoraMerge:
 
     def merged(self, name: str, weight: torch.Tensor, adapters: dict[str, torch.Tensor]) -> torch.Tensor:
         """``weight`` (the HF name ``name``) with its active adapters merged in, as peft's
-        ``merge_and_unload`` computes it: ``W + transpose(B @ A) * scaling``, adapter by adapter."""
+        ``merge_and_unload`` computes it: ``W + transpose(B @ A) * scaling``, adapter by adapter, in
+        fp32 (``weight`` and the adapters are gathered in fp32: :func:`yashard.masters.gather_whole`)."""
         if name not in self.merges:
             return weight
         out = weight.clone()

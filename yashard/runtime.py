@@ -278,7 +278,7 @@ class Runtime:
             slots=tuple(SlotSize(s.name, s.numel, s.grad_numel, s.direct) for s in self.slots.values()),
             units=tuple(UnitSize(u.layout.shard_numel, u.grad_storage is not None,
                                  u.frozen_values.numel() if u.frozen_values is not None else 0,
-                                 u.layout.padded if u.kind == "layer" else None) for u in self.units),
+                                 u.layout.padded if u.kind == "layer" else None, u.master.dtype) for u in self.units),
             direct=self.direct, direct_grads=self.state.direct_grads, reduce_out=self.reducer.reduce_out is not None,
             workspaces=tuple((name, t.numel(), t.numel() * t.element_size())
                              for name, t in self.reducer.workspaces.items()),
@@ -316,7 +316,8 @@ class Runtime:
 
     @torch.no_grad()
     def gather_full(self, what: str = "params") -> dict[str, torch.Tensor]:
-        """Full fp32 tensors by HF name, gathered from every rank (a collective: call on all ranks)."""
+        """Full fp32 tensors by HF name, gathered from every rank (a collective: call on all ranks).
+        A frozen unit's 16-bit master gives its values widened to fp32 (exact)."""
         if what == "grads":
             self.check_grads_reduced("full_grads()")
         out: dict[str, torch.Tensor] = {}
@@ -327,9 +328,7 @@ class Runtime:
                 shard = u.master.grad if u.master.grad is not None else torch.zeros_like(u.master)
             else:
                 raise ValueError(f"what must be 'params' or 'grads', got {what!r}")
-            flat = torch.empty(u.layout.padded, dtype=torch.float32, device=self.device)
-            self.comm.wait(self.comm.all_gather(flat, shard.contiguous(), u.name), f"all_gather of {u.name} ({what})",
-                           host=True)
+            flat = masters.gather_whole(self.comm, u, shard, what)
             for entry, fqns in zip(u.layout.entries, u.fqns):
                 t = flat[entry.offset : entry.end].view(entry.shape).clone()
                 for fqn in fqns:

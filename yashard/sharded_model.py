@@ -1,7 +1,7 @@
 """The :class:`ShardedModel` ``shard()`` returns, and what a sharded HF module answers.
 
-A ``ShardedModel`` wraps the HF model: it is called like it, its ``parameters()`` are the fp32
-master shards, and its methods reach the runtime (clipping, the memory plan, full and sharded state
+A ``ShardedModel`` wraps the HF model: it is called like it, its ``parameters()`` are the master
+shards, and its methods reach the runtime (clipping, the memory plan, full and sharded state
 dicts, ``no_sync``, comm hooks). The HF module inside is given a same-named subclass whose
 ``device``, ``dtype`` and parameter counts answer for the sharded parameters and which refuses what
 would be silently wrong on them (``state_dict()``, conversions, copies, HF checkpointing).
@@ -15,6 +15,7 @@ import weakref
 import torch
 from torch import nn
 
+from .config import dtype_name
 from .integrity import check_no_sync
 from .memory import MemoryPlan
 from .runtime import Runtime
@@ -58,19 +59,31 @@ _SHARDED_CLASSES: dict[type, type] = {}
 _SHARDED_INNER_CLASSES: dict[type, type] = {}
 
 
-def _check_conversion(fn, device: torch.device) -> None:
+def _check_conversion(fn, device: torch.device, dtypes: tuple[torch.dtype, ...]) -> None:
     """Refuse a ``.to()`` / ``.half()`` / ``.cuda()`` ... (``nn.Module._apply(fn)``) that would change
-    the dtype or device of fp32 tensors: the masters and every buffer the runtime allocated stay
-    as sharded. Tried on an empty fp32 tensor first, so nothing is touched when it is refused."""
-    probe = torch.empty(0, dtype=torch.float32, device=device)
-    out = fn(probe)
-    if isinstance(out, torch.Tensor) and (out.dtype != probe.dtype or out.device != probe.device):
-        raise ValueError(
-            f"converting a yashard-sharded model to {out.dtype if out.dtype != probe.dtype else out.device} would "
-            f"break its fp32 master shards and its buffers on {device}, which are fixed at shard time. Choose the "
-            "compute dtype with ShardConfig(param_dtype=torch.bfloat16) and the device with ShardConfig(device=...) "
-            "(or the model's device before yashard.shard) instead"
-        )
+    the dtype or device of fp32 tensors, or of tensors of the other ``dtypes`` the module's
+    ``_apply`` reaches: the masters (a ``ShardedModel``'s: fp32, and ``param_dtype`` when frozen
+    units keep theirs in it) and every buffer the runtime allocated stay as sharded. Tried on an
+    empty tensor of each dtype first, so nothing is touched when it is refused (``.float()``
+    changes nothing fp32 but would widen a 16-bit frozen shard)."""
+    for dtype in dtypes:
+        probe = torch.empty(0, dtype=dtype, device=device)
+        out = fn(probe)
+        if isinstance(out, torch.Tensor) and (out.dtype != probe.dtype or out.device != probe.device):
+            held = " and ".join(("fp32 master shards" if d == torch.float32 else f"{dtype_name(d)} frozen shards")
+                                for d in dtypes)
+            raise ValueError(
+                f"converting a yashard-sharded model to {out.dtype if out.dtype != probe.dtype else out.device} "
+                f"would break its {held} and its buffers on {device}, which are fixed at shard time. Choose the "
+                "compute dtype with ShardConfig(param_dtype=torch.bfloat16) and the device with "
+                "ShardConfig(device=...) (or the model's device before yashard.shard) instead"
+            )
+
+
+def master_dtypes(runtime: Runtime) -> tuple[torch.dtype, ...]:
+    """The dtypes of ``runtime``'s master shards, fp32 first (what :func:`_check_conversion` probes)."""
+    return tuple(sorted({u.master.dtype for u in runtime.units} | {torch.float32},
+                        key=lambda d: d != torch.float32))
 
 
 def _refuse_copy(self, *args):
@@ -117,7 +130,7 @@ def _answer_device_and_dtype(module: nn.Module, runtime: Runtime) -> None:
     its class (same name, cached per class) whose ``device`` is the runtime's device, whose
     ``dtype`` is the compute dtype (``param_dtype``), and whose counts include the sharded
     parameters: ``num_parameters`` the model's (unpadded, tied ones once, as the unsharded model
-    counts them), ``get_memory_footprint`` this rank's bytes of them (its fp32 master shards).
+    counts them), ``get_memory_footprint`` this rank's bytes of them (its master shards).
     The subclass also turns ``generate``'s ``synced_gpus`` on when the shard group is the whole world
     of several ranks (as HF does for FSDP and ZeRO-3: a rank that finished keeps joining the gathers),
     sends ``requires_grad_`` to the shards, makes ``tie_weights`` a no-op (ties are resolved at
@@ -128,7 +141,7 @@ def _answer_device_and_dtype(module: nn.Module, runtime: Runtime) -> None:
         return  # not an HF model: nothing reads these
 
     def _apply(self, fn, recurse=True):
-        _check_conversion(fn, self.__dict__["_yashard_device"])
+        _check_conversion(fn, self.__dict__["_yashard_device"], (torch.float32,))
         return cls._apply(self, fn, recurse)
 
     def _units(self):
@@ -244,7 +257,7 @@ def _answer_inner(module: nn.Module, prefix: str, runtime: Runtime, outer: dict)
     cls = type(module)
 
     def _apply(self, fn, recurse=True):
-        _check_conversion(fn, self.__dict__["_yashard_device"])
+        _check_conversion(fn, self.__dict__["_yashard_device"], (torch.float32,))
         return cls._apply(self, fn, recurse)
 
     def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
@@ -302,8 +315,10 @@ class ShardedModel(nn.Module):
     """A HuggingFace causal LM whose parameters are sharded across the process group.
 
     Call it exactly like the HF model; it returns the HF output object. ``parameters()`` yields
-    only the fp32 master shards (one flat shard per unit: the embedding, each decoder layer, the
+    only the master shards (one flat shard per unit: the embedding, each decoder layer, the
     lm_head, and the group of all 1-D parameters), which any ``torch.optim`` optimizer can train.
+    They are fp32, except those of units whose parameters are all frozen under a 16-bit
+    ``param_dtype``: those are kept in ``param_dtype`` and never require gradients.
     Gradients follow standard PyTorch semantics: they accumulate across ``backward()`` calls in
     fp32 until the optimizer's ``zero_grad`` (``set_to_none=True`` included).
     """
@@ -344,7 +359,7 @@ class ShardedModel(nn.Module):
         return self
 
     def _apply(self, fn, recurse=True):
-        _check_conversion(fn, self._runtime.device)
+        _check_conversion(fn, self._runtime.device, master_dtypes(self._runtime))
         return super()._apply(fn, recurse)
 
     def __getattr__(self, name: str):

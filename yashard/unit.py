@@ -28,7 +28,8 @@ _TENSOR_DATA = torch._C.TensorBase.data  # torch's own .data: an alias with a ve
 
 
 class MasterShard(nn.Parameter):
-    """A unit's fp32 master shard: an ``nn.Parameter`` whose ``.data`` reads as ``detach()``, the
+    """A unit's master shard (fp32; a frozen unit's in a 16-bit ``param_dtype``:
+    :func:`yashard.build.master_dtype`): an ``nn.Parameter`` whose ``.data`` reads as ``detach()``, the
     same storage *and the same version counter*. An in-place write through ``p.data``
     (``p.data.clamp_(...)``, weight-init code, optimizers written the old way) therefore moves the
     shard's version like any in-place write under ``torch.no_grad()``, and the runtime gathers and
@@ -61,7 +62,8 @@ def storage_key(t: torch.Tensor) -> tuple:
 class Unit:
     """One decoder layer, the embedding, the lm_head, or the group of all 1-D parameters.
 
-    Owns the fp32 master shard (an ``nn.Parameter`` the optimizer sees), its persistent fp32
+    Owns the master shard (an ``nn.Parameter`` the optimizer sees; fp32, or ``param_dtype`` for a
+    unit with no trainable parameter: :func:`yashard.build.master_dtype`), its persistent fp32
     gradient storage, and the bookkeeping of the current forward/backward pass. Parameters of the
     original modules are replaced by views into ``slot.weights`` (see :mod:`yashard.narrow`).
     """
@@ -118,7 +120,7 @@ class Unit:
             n = sum(hi - lo for lo, hi in self.frozen_ranges)
             self.frozen_values = torch.empty(n, dtype=master.dtype, device=master.device) if n else None
         self.frozen_kept = False
-        self.gather_src = master    # direct slots with a 16-bit param_dtype: its cast copy (build.make_units)
+        self.gather_src = master    # direct slots, fp32 master, 16-bit param_dtype: its cast copy (build.make_units)
         self.direct_source: torch.Tensor | None = None  # direct slots (shard world 1): gather_src's alias
         self.secondary: torch.Tensor | None = None  # hpZ: this rank's secondary slice of the gathered unit
         self.secondary_version = -1  # master._version of the weights ``secondary`` holds

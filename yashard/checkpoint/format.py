@@ -3,7 +3,7 @@ of values that are not tensors, finding a committed save and reading its index (
 tile every parameter), the model's description and fingerprint; and :func:`agree`, which shares
 every rank's error in each collective step of a save or a load.
 
-On-disk format (``format_version`` 2)
+On-disk format (``format_version`` 3)
 -------------------------------------
 ::
 
@@ -16,7 +16,8 @@ On-disk format (``format_version`` 2)
 
 Each shard file holds, for every parameter piece inside that rank's flat shards (``layout.shard_pieces``),
 one 1-D tensor per kind, keyed ``<kind>/<HF name>[<lo>:<hi>]`` where ``[lo, hi)`` is the piece's range
-of the parameter's flattened elements and the kind is ``master`` (the fp32 master weights) or
+of the parameter's flattened elements and the kind is ``master`` (the master weights, in the dtype
+the run keeps them in: fp32, or a frozen unit's 16-bit ``param_dtype``) or
 ``optim.<state key>`` (every optimizer state tensor with the master's shape: AdamW ``exp_avg`` /
 ``exp_avg_sq``, amsgrad ``max_exp_avg_sq``, SGD ``momentum_buffer``, ...). Padding is not stored.
 Rank 0's file also holds the model's persistent buffers (what ``state_dict()`` holds besides
@@ -27,7 +28,8 @@ the same copy, and a training loop may change them.
 world, shard world and replica world of the save; ``model`` (class, config class, the config itself,
 and a sha256 ``fingerprint`` of the parameter names, shapes and ties); ``files`` (name -> bytes and
 shard rank); ``params`` (every HF parameter, by its canonical name: full ``shape``, the ``unit``,
-the names ``tied`` to it, and its ``pieces``: file, ``lo``, ``hi``, the tensor key per kind and the
+the names ``tied`` to it, the ``dtype`` its master pieces are stored in (version 3 on; absent:
+``float32``), and its ``pieces``: file, ``lo``, ``hi``, the tensor key per kind and the
 ``crc32`` of each tensor's bytes, checked at load over every piece a rank reads); ``buffers``
 (name -> file, key, dtype, shape, crc32; version 2 on: version 1 saves stored none, and loading one
 leaves the model's buffers as they are);
@@ -61,7 +63,11 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..runtime import Runtime
 
 FORMAT = "yashard-checkpoint"
-FORMAT_VERSION = 2  # 2: persistent buffers are stored (a version-1 reader would drop them)
+# 2: persistent buffers are stored (a version-1 reader would drop them). 3: master pieces may be
+# stored in a 16-bit dtype (frozen units under a 16-bit param_dtype), named per parameter; a save
+# whose masters are all fp32 is written as version 2, which version-2 readers load.
+FORMAT_VERSION = 3
+FP32_MASTERS_VERSION = 2
 INDEX = "index.json"
 POINTER = "LATEST"
 SAVE_DIR_RE = re.compile(r"^save-(\d{6,})-([0-9a-f]{8})$")
@@ -240,6 +246,12 @@ def agree(comm: "Comm", what: str, err: BaseException | None, payload: Any = Non
         if m is not None:
             raise CheckpointError(f"{what} failed on rank {r}: {m}")
     return [p for _, p in got]
+
+
+def save_version(rt: "Runtime") -> int:
+    """The format version a save of ``rt`` is written as: the lowest that describes it (a reader of
+    version 2 would take a 16-bit master piece for a damaged file)."""
+    return FORMAT_VERSION if any(u.master.dtype != torch.float32 for u in rt.units) else FP32_MASTERS_VERSION
 
 
 def model_params(rt: "Runtime") -> dict[str, dict]:

@@ -121,6 +121,7 @@ class _Read:
     a: int
     b: int
     crc32: dict | None = None  # per kind, of the whole stored piece (checkpoints written before it: None)
+    dtype: str = "float32"  # the dtype its master piece is stored in (format version 3 on: the parameter's)
 
 
 def _plan_reads(index: dict, rt: "Runtime", shard_rank: int) -> dict[str, list[_Read]]:
@@ -134,11 +135,12 @@ def _plan_reads(index: dict, rt: "Runtime", shard_rank: int) -> dict[str, list[_
             if lo >= hi:
                 continue
             plo, phi = lo - e.offset, hi - e.offset
-            pieces = index["params"][fqns[0]]["pieces"]
+            param = index["params"][fqns[0]]
+            pieces = param["pieces"]
             for i, a, b in overlaps([(pc["lo"], pc["hi"]) for pc in pieces], plo, phi):
                 pc = pieces[i]
                 reads.append(_Read(u.name, lo - s0 + (a - plo), pc["file"], pc["keys"], pc["hi"] - pc["lo"],
-                                   a - pc["lo"], b - pc["lo"], pc.get("crc32")))
+                                   a - pc["lo"], b - pc["lo"], pc.get("crc32"), param.get("dtype", "float32")))
     return plan
 
 
@@ -246,6 +248,8 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer: torch.optim.Optim
     the flat ranges it owns under the current layout, fills every unit's ``master`` in place (the
     same ``nn.Parameter`` objects), and, with ``optimizer``, restores its state (created if the
     optimizer has none yet) and its param groups' hyperparameters via ``optimizer.load_state_dict``.
+    The stored and the held master dtypes may differ (a save of another ``param_dtype``): a frozen
+    unit's 16-bit master rounds the stored value once, an fp32 master widens a 16-bit piece exactly.
     Masters are matched by unit name, so the optimizer must have the checkpoint's param groups.
     Gradients are not touched. Every file is checked before anything is modified; an error on
     any rank is raised on every rank. Every rank loads the same save: ranks that follow ``LATEST``
@@ -267,7 +271,7 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer: torch.optim.Optim
             for unit, reads in plan.items():
                 sharded = opt_state.get(unit, {}).get("sharded", {})
                 for r in reads:
-                    files.check(r, "master", "float32")
+                    files.check(r, "master", r.dtype)
                     for k, dt in sharded.items():
                         files.check(r, f"optim.{k}", dt)
             buffers = {n: files.read_buffer(n, b) for n, b in (index.get("buffers") or {}).items()}
@@ -375,6 +379,8 @@ def _read_into(buf: torch.Tensor, reads: list[_Read], files: _Files, kind: str) 
 def _fill(rt: "Runtime", plan: dict[str, list[_Read]], files: _Files, optimizer, index: dict) -> None:
     """Phase two of a load: copy the planned ranges into the masters and build the optimizer state."""
     for u in rt.units:
+        # read in fp32 (a 16-bit stored piece widens exactly), then into the master: a 16-bit frozen
+        # one rounds the fp32 value once, as at shard(); a checkpoint of either param_dtype loads
         buf = torch.zeros(u.layout.shard_numel, dtype=torch.float32)  # padding stays zero
         u.master.copy_(_read_into(buf, plan[u.name], files, "master"))
     if optimizer is None:

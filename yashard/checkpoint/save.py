@@ -42,9 +42,9 @@ from ..layout import shard_pieces
 from ..saved_state import optimizer_units, persistent_buffers
 from ..sharded_model import runtime_of
 from ..version import __version__
-from .format import (FORMAT, FORMAT_VERSION, INDEX, POINTER, SAVE_DIR_RE, CheckpointError, agree, buffer_key,
-                     check_extra, coverage_problem, describe_params, encode_value, fingerprint, model_params,
-                     piece_key, shard_file_name, tensor_crc32)
+from .format import (FORMAT, INDEX, POINTER, SAVE_DIR_RE, CheckpointError, agree, buffer_key, check_extra,
+                     coverage_problem, describe_params, encode_value, fingerprint, model_params, piece_key,
+                     save_version, shard_file_name, tensor_crc32)
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..runtime import Runtime
@@ -146,7 +146,7 @@ def _write_rank_file(save_dir: Path, rt: "Runtime", optimizer, opt_meta: dict | 
         specs.append((buffer_key(name), b.dtype, tuple(b.shape)))
     fname = shard_file_name(comm.shard_rank, comm.shard_world)
     writer = StreamedSafetensors(save_dir / fname, specs, metadata={
-        "format": "pt", "yashard_checkpoint": str(FORMAT_VERSION),
+        "format": "pt", "yashard_checkpoint": str(save_version(rt)),
         "shard_rank": str(comm.shard_rank), "shard_world": str(comm.shard_world), "save": save_dir.name})
     crcs: dict[str, int] = {}
     try:
@@ -180,6 +180,9 @@ def _build_index(rt: "Runtime", metas: list[dict], opt_meta: dict | None, extra:
     params = model_params(rt)
     for p in params.values():
         p["pieces"] = []
+    for u in rt.units:  # (the dtype the master pieces are written in: _write_rank_file)
+        for fqns in u.fqns:
+            params[fqns[0]]["dtype"] = dtype_name(u.master.dtype)
     files = {}
     for meta in metas:
         files[meta["file"]] = {"bytes": meta["bytes"], "shard_rank": meta["shard_rank"]}
@@ -198,7 +201,7 @@ def _build_index(rt: "Runtime", metas: list[dict], opt_meta: dict | None, extra:
     hf = rt.model
     described = describe_params(params)
     return {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "yashard_version": __version__,
+        "format": FORMAT, "format_version": save_version(rt), "yashard_version": __version__,
         "torch_version": torch.__version__,
         "world": comm.world, "shard_world": comm.shard_world, "replica_world": comm.replica_world,
         "model": {"class": type(hf).__name__,
@@ -290,15 +293,17 @@ def _wait_visible(save_dir: Path, rank: int) -> None:
 
 def save_checkpoint(path: str | os.PathLike, model, optimizer: torch.optim.Optimizer | None = None, *,
                     extra: Any = None) -> Path:
-    """Save ``model``'s fp32 master shards, ``optimizer``'s state and ``extra`` to the directory ``path``.
+    """Save ``model``'s master shards, ``optimizer``'s state and ``extra`` to the directory ``path``.
 
     Collective: every rank calls it with the same ``path`` (on a file system all writing ranks
     share). Ranks with ``comm.replica_rank == 0`` each write one safetensors file with their flat
     pieces; rank 0 writes the JSON index and commits by atomically replacing ``path/LATEST``
     (protocol in the module docstring), so a crash at any moment leaves the previous checkpoint at
     ``path`` loadable. ``extra`` is any JSON-serialisable value (step number, scheduler state) and
-    comes back from :func:`load_checkpoint`. Optimizer state tensors must have their master's shape;
-    0-d tensors and Python scalars (AdamW's ``step``) are stored in the index from rank 0.
+    comes back from :func:`load_checkpoint`. Masters are stored in the dtype they are kept in (fp32;
+    a frozen unit's 16-bit ``param_dtype``), recorded in the index. Optimizer state tensors must
+    have their master's shape; 0-d tensors and Python scalars (AdamW's ``step``) are stored in the
+    index from rank 0.
     Returns the committed save directory. Errors on any rank are raised on every rank.
     """
     rt = runtime_of(model, "save_checkpoint")

@@ -20,6 +20,9 @@ CASES = {
     "tied": ({}, (), "gemma"),
     "frozen embedding": ({}, ("embed_tokens",), "llama"),
     "frozen q_proj": ({"param_dtype": torch.bfloat16}, ("q_proj",), "llama"),
+    "shared outer": ({"share_outer_slot": True}, (), "llama"),
+    "shared outer, bf16, frozen lm_head": ({"share_outer_slot": True, "param_dtype": torch.bfloat16}, ("lm_head",),
+                                           "llama"),
 }
 # only where they apply: hybrid sharding and hpZ need the world size to divide
 BY_WORLD = {

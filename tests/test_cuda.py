@@ -209,3 +209,34 @@ def test_quantized_weight_gathers_train_alike_with_triton_and_torch_kernels(nccl
     monkeypatch.undo()
     assert got == pytest.approx(ref, rel=1e-6), (got, ref)
     torch.testing.assert_close(got_w, ref_w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shared_outer_slot_trains_bitwise_as_the_outer_slot_with_real_streams(nccl_group, monkeypatch, dtype):
+    """``share_outer_slot=True`` on real streams: the slots forced to gather (as at world > 1), so
+    every gather runs on the communication stream, ordered by events alone (R1, R4 over the
+    overlapped slots). An embedding larger than both layer slots; a checkpointed layer; a no-grad
+    forward between forward and backward. Bitwise the run with an outer slot of its own."""
+    monkeypatch.setattr(yashard.build, "direct_slots", lambda shard_world, config: False)
+    dev = torch.device("cuda", 0)
+    kw = dict(hidden_size=512, intermediate_size=1376, num_attention_heads=8, num_key_value_heads=4,
+              vocab_size=16384, attn_implementation="sdpa")
+    ids = batches(1, 4, 64, 16384)[0].to(dev)
+    runs = {}
+    for share in (False, True):
+        sm = yashard.shard(build("llama", **kw), config=yashard.ShardConfig(
+            param_dtype=dtype, share_outer_slot=share, checkpoint_layers=1))
+        opt = torch.optim.AdamW(sm.param_groups(0.1), lr=1e-3)
+        losses = []
+        for _ in range(4):
+            out = sm(input_ids=ids, labels=ids)
+            with torch.no_grad():
+                sm(input_ids=ids.flip(1))
+            out.loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(out.loss.detach())
+        runs[share] = (torch.stack(losses).cpu(), {k: v.cpu() for k, v in sm.full_state_dict().items()})
+        del sm, opt
+    assert torch.equal(runs[True][0], runs[False][0]), (runs[True][0], runs[False][0])
+    assert all(torch.equal(runs[True][1][k], v) for k, v in runs[False][1].items())

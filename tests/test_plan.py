@@ -22,6 +22,9 @@ CASES = {
     "frozen q_proj": ({"param_dtype": torch.bfloat16}, ("q_proj",), "llama"),
     # the embedding and layer 0 wholly frozen: bf16 masters (the norm group, partly frozen, fp32)
     "frozen layer bf16": ({"param_dtype": torch.bfloat16}, ("embed_tokens", "layers.0."), "llama"),
+    "shared outer": ({"share_outer_slot": True}, (), "llama"),
+    "shared outer, bf16, frozen lm_head": ({"share_outer_slot": True, "param_dtype": torch.bfloat16}, ("lm_head",),
+                                           "llama"),
 }
 # only where they apply: hybrid sharding and hpZ need the world size to divide
 BY_WORLD = {

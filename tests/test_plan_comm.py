@@ -37,6 +37,19 @@ MODES = {
     "frozen, accumulation, no reshard": ({"freeze": ("layers.0.",), "accum": 2,
                                          "shard_kw": {"reshard_after_forward": False}},
                                         {"reshard_after_forward": False}, None),
+    # share_outer_slot: the embedding and the lm_head in the layer slots' buffer, smaller than both
+    # layer slots and (vocabulary 640) larger
+    "shared outer": ({"shard_kw": {"share_outer_slot": True}}, {"share_outer_slot": True}, None),
+    "shared outer, large vocabulary, bf16, accumulation": (
+        {"dtype": "bf16", "overrides": {"vocab_size": 640}, "accum": 2, "shard_kw": {"share_outer_slot": True}},
+        {"param_dtype": torch.bfloat16, "share_outer_slot": True}, None),
+    "shared outer, frozen, hpZ": (
+        {"freeze": ("embed_tokens", "layers.2."), "shard_kw": {"share_outer_slot": True, "secondary_group_size": 1}},
+        {"share_outer_slot": True, "secondary_group_size": 1}, None),
+    "shared outer, frozen lm_head, accumulation, qwZ": (
+        {"freeze": ("lm_head",), "overrides": {"vocab_size": 640}, "accum": 2,
+         "shard_kw": {"share_outer_slot": True, "quantized_weights": 8, "quant_block": 64}},
+        {"share_outer_slot": True, "quantized_weights": 8, "quant_block": 64}, None),
 }
 PHASES = {"pre": "forward", "fwd": "forward", "bwd": "backward"}
 
@@ -52,7 +65,7 @@ def test_planned_collectives_are_the_logged_ones(logs, mode):
     run, kw, qgz = MODES[mode]
     config = yashard.ShardConfig(**kw)
     shard = config.shard_group_size or 2
-    model = build(run.get("family", "llama"))
+    model = build(run.get("family", "llama"), **run.get("overrides", {}))
     for name, p in model.named_parameters():
         if any(f in name for f in run.get("freeze", ())):
             p.requires_grad_(False)

@@ -69,6 +69,7 @@ class BackwardSchedule:
                 "(layer.compile() or torch.compile(model))"
             )
         state.in_backward = True
+        Gathers.settle(self.slots.values())
         self.reducer.bucket_index = 0
         state.bwd_last_layer = None
         for u in self.units.units:
@@ -159,11 +160,16 @@ class BackwardSchedule:
         return nxt if nxt is not None and nxt.fwd_backward else None
 
     def claim_grad_slot(self, unit: Unit) -> None:
-        """Take ``unit``'s grad slot for this backward (R4: after the previous reduction finished)."""
+        """Take ``unit``'s grad slot for this backward (R4: after the previous reduction finished,
+        and every reduction still reading memory the slot shares with others)."""
         slot = unit.slot
-        if slot.grad_busy is not None:
-            slot.grad_busy.wait()
-            slot.grad_busy = None
+        for s in (slot, *slot.grad_overlaps):
+            if s.grad_busy is not None:
+                s.grad_busy.wait()
+                s.grad_busy = None
+        for s in slot.grad_overlaps:  # (their zero padding is written over)
+            s.zeroed_signature = None
+            s.grad_owner = None
         slot.grad_owner = unit
         unit.grad_claimed = True
         unit.written = [False] * len(unit.layout.entries)

@@ -23,8 +23,15 @@ source), which the modules' views read in place: no copy, and no weight buffer. 
 data-parallel rank with fp32 reductions they hold no gradients either (``PassState.direct_grads``:
 ``Narrow`` adds them to the masters' gradients in place), so their buffers are empty.
 
-A slot remembers its current weight owner, the event that releases it, and the reduction that is
-still reading its gradient buffer; the gathers, the backward schedule and the reduction enforce
+With ``ShardConfig(share_outer_slot=True)`` the two layer slots lie end to end in one buffer
+(:class:`SharedBuffer`, one for the weights and one for the gradients), and the embedding and the
+lm_head get slots that are views into it (:func:`yashard.layout.outer_arena` places them): no outer
+slot of their own. Slots that share memory know it (``overlaps``, ``grad_overlaps``), and the rules
+of :mod:`yashard.events` then hold for every slot a write touches (R1, R4), not just its own.
+
+A slot remembers its current weight owner, the event that releases it, whether compute may still
+read it (``reading``) or it holds a gather no compute used yet (``fresh``), and the reduction that
+is still reading its gradient buffer; the gathers, the backward schedule and the reduction enforce
 the ordering rules of :mod:`yashard.events` through these fields.
 """
 
@@ -37,7 +44,7 @@ class Slot:
     """One weight buffer + one gradient buffer, owned in turn."""
 
     def __init__(self, name: str, numel: int, world: int, param_dtype, grad_dtype, device, *, direct: bool = False,
-                 grad_numel: int | None = None):
+                 grad_numel: int | None = None, shared: "SharedBuffer | None" = None):
         if numel % world:
             raise ValueError(f"slot {name}: size {numel} is not a multiple of world size {world}")
         if direct and world != 1:
@@ -46,10 +53,19 @@ class Slot:
         self.name = name
         self.numel = numel
         self.direct = direct
-        self.weights = torch.empty(0 if direct else numel, dtype=param_dtype, device=device)
         # (sized by the units with a trainable parameter: 0 if every unit using the slot is frozen)
         self.grad_numel = numel if grad_numel is None else grad_numel
-        self.grads = torch.zeros(self.grad_numel, dtype=grad_dtype, device=device)
+        self.shared = shared  # the buffer this slot is a view of, or None: it allocated its own
+        if shared is None:
+            self.weights = torch.empty(0 if direct else numel, dtype=param_dtype, device=device)
+            self.grads = torch.zeros(self.grad_numel, dtype=grad_dtype, device=device)
+        else:
+            # (``.data``: each view under a version counter of its own, as a buffer of its own has,
+            # so a write through one slot's module views is told from the others')
+            self.weights = shared.weights.narrow(0, shared.weight_arena.offsets[name], numel).data
+            self.grads = shared.grad_view(name)
+        self.overlaps: list[Slot] = []       # other slots sharing weight memory with this one
+        self.grad_overlaps: list[Slot] = []  # ... gradient memory
         # Aliases with their own autograd version counters: collectives write through these, so
         # refilling a buffer never trips autograd's "modified by an inplace operation" check on the
         # parameter views saved for backward (the refill is ordered by events, not by autograd).
@@ -60,6 +76,8 @@ class Slot:
         # Ownership state.
         self.owner = None            # unit whose weights are (being) gathered here
         self.release = None          # event: compute finished reading the owner's weights
+        self.reading = False         # compute may read the owner's weights (from ensure to release)
+        self.fresh = False           # a gather no compute used yet (a prefetch)
         self.grad_owner = None       # unit whose gradients are (being) written here
         self.grad_busy = None        # Pending reduction still reading the gradient buffer
         self.zeroed_signature = None  # layout whose non-parameter ranges are known to be zero
@@ -71,8 +89,38 @@ class Slot:
         self.weights_version = source._version
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The buffers this slot allocated (a direct slot's weights belong to the units)."""
+        """The buffers this slot allocated (a direct slot's weights belong to the units; a view of a
+        :class:`SharedBuffer`, none)."""
+        if self.shared is not None:
+            return {}
         return {"grads": self.grads} if self.direct else {"weights": self.weights, "grads": self.grads}
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+
+class SharedBuffer:
+    """The weight buffer and the gradient buffer that the layer slots and the outer units' slots
+    are views of (``ShardConfig.share_outer_slot``), laid out by two
+    :class:`~yashard.layout.Arena`: one over the weight sizes, one over the gradient sizes."""
+
+    def __init__(self, weight_arena, grad_arena, param_dtype, grad_dtype, device):
+        self.weight_arena = weight_arena
+        self.grad_arena = grad_arena
+        self.weights = torch.empty(weight_arena.numel, dtype=param_dtype, device=device)
+        self.grads = torch.zeros(grad_arena.numel, dtype=grad_dtype, device=device)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"weights": self.weights, "grads": self.grads}
+
+    def grad_view(self, name: str) -> torch.Tensor:
+        """Slot ``name``'s gradient buffer: its range of :attr:`grads`."""
+        lo, hi = self.grad_arena.span(name)
+        return self.grads.narrow(0, lo, hi - lo).data
+
+    def link(self, slots: dict[str, "Slot"]) -> None:
+        """Tell each slot which others share its memory."""
+        for name, slot in slots.items():
+            if slot.shared is self:
+                slot.overlaps = [slots[o] for o in self.weight_arena.overlaps(name) if o in slots]
+                slot.grad_overlaps = [slots[o] for o in self.grad_arena.overlaps(name) if o in slots]

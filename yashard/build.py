@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .buffers import Slot
+from .buffers import SharedBuffer, Slot
 from .collectives import Comm
 from .config import ShardConfig
-from .layout import FlatLayout, build_layout, reduce_chunk, slot_assignment
+from .layout import FlatLayout, build_layout, outer_arena, reduce_chunk, slot_assignment
 from .memory import dtype_bytes
 from .pass_state import PassState
 from .patch.spec import ModelSpec
@@ -106,11 +106,18 @@ def layouts_of(groups: dict[str, list], world: int, config: ShardConfig) -> dict
     }
 
 
-def slot_sizes(groups: dict[str, list], layouts: dict[str, FlatLayout], config: ShardConfig):
+def slot_sizes(groups: dict[str, list], layouts: dict[str, FlatLayout], config: ShardConfig, direct: bool = False):
     """``(slot of each unit, weight elements per slot, gradient elements per slot)``: a slot is as
     large as the largest unit it holds; its gradient buffer as the largest that trains (units whose
-    parameters are all frozen write no gradients)."""
-    slot_of = slot_assignment(list(groups), alternate=config.reshard_after_forward)
+    parameters are all frozen write no gradients). ``direct``: :func:`direct_slots`."""
+    if config.share_outer_slot and "lm_head" not in groups and any(len(locs) > 1 for _, locs, _ in groups.get("embed", [])):
+        raise ValueError(
+            "ShardConfig.share_outer_slot=True needs an lm_head of its own, but this model ties it to the input "
+            "embedding: one weight read at both ends of every step, whose gradients add up over the whole backward, "
+            "so it cannot give its buffer to the layers in between. Use share_outer_slot=False (the default)"
+        )
+    slot_of = slot_assignment(list(groups), alternate=config.reshard_after_forward,
+                              share_outer=shares_outer(config, direct))
     sizes: dict[str, int] = {}
     grad_sizes: dict[str, int] = {}
     for key, name in slot_of.items():
@@ -120,17 +127,41 @@ def slot_sizes(groups: dict[str, list], layouts: dict[str, FlatLayout], config: 
     return slot_of, sizes, grad_sizes
 
 
+def shares_outer(config: ShardConfig, direct: bool) -> bool:
+    """Whether the embedding and the lm_head gather into the layer slots' buffer
+    (``ShardConfig.share_outer_slot``; a direct slot holds no weights to share)."""
+    return config.share_outer_slot and not direct
+
+
+def shared_arenas(sizes: dict[str, int], grad_sizes: dict[str, int], n_layers: int):
+    """The weight and gradient :class:`~yashard.layout.Arena` of the shared buffer, over the slots
+    that take part in it (the layer slots and the outer units')."""
+    names = [n for n in sizes if n in ("layer_even", "layer_odd", "embed", "lm_head") and sizes[n] > 0]
+    return (outer_arena({n: sizes[n] for n in names}, n_layers),
+            outer_arena({n: grad_sizes[n] for n in names}, n_layers))
+
+
 def make_slots(sizes: dict[str, int], grad_sizes: dict[str, int], world: int, config: ShardConfig,
-               device: torch.device, direct: bool, direct_grads: bool, compact: bool = False) -> dict[str, Slot]:
-    """The slot buffers (a slot of size 0, every unit in it empty, is left out); ``compact``: the
-    gradient buffers in ``param_dtype`` (:func:`compact_grads`)."""
+               device: torch.device, direct: bool, direct_grads: bool, compact: bool = False,
+               n_layers: int = 0) -> tuple[dict[str, Slot], SharedBuffer | None]:
+    """The slot buffers (a slot of size 0, every unit in it empty, is left out) and the buffer
+    they share, if they do (:func:`shares_outer`); ``compact``: the gradient buffers in
+    ``param_dtype`` (:func:`compact_grads`)."""
     grad_dtype = config.param_dtype if compact else config.wire_dtype
-    return {
+    grad_sizes = {name: 0 if direct_grads else g for name, g in grad_sizes.items()}
+    shared = None
+    if shares_outer(config, direct):
+        shared = SharedBuffer(*shared_arenas(sizes, grad_sizes, n_layers), config.param_dtype, grad_dtype, device)
+    slots = {
         name: Slot(name, numel, world, config.param_dtype, grad_dtype, device, direct=direct,
-                   grad_numel=0 if direct_grads else grad_sizes[name])
+                   grad_numel=grad_sizes[name],
+                   shared=shared if shared is not None and name in shared.weight_arena.offsets else None)
         for name, numel in sizes.items()
         if numel > 0
     }
+    if shared is not None:
+        shared.link(slots)
+    return slots, shared
 
 
 @dataclass
@@ -213,10 +244,11 @@ def make_units(groups: dict[str, list], layouts: dict[str, FlatLayout], slots: d
     sharing = collections.Counter(u.slot.name for u in units)
     for i, u in enumerate(units):
         u.order = i
-        # Views of a unit whose slot other units reuse come off once nothing reads them any more:
-        # after its forward, or (activation checkpointing recomputes the forward) its backward.
+        # Views of a unit whose slot other units reuse (or whose memory other slots share) come off
+        # once nothing reads them any more: after its forward, or (activation checkpointing
+        # recomputes the forward) its backward.
         checkpointed = u.kind == "layer" and u.index < config.checkpoint_layers
-        if sharing[u.slot.name] > 1:
+        if sharing[u.slot.name] > 1 or u.slot.overlaps:
             u.views_until = "backward" if checkpointed else "forward"
         # the recompute of a checkpointed layer reads its own views and the norm group's: those
         # of the grad-enabled forward it belongs to are put back when its backward starts

@@ -140,12 +140,18 @@ class CommHookRegistry:
         gradient slots (:func:`yashard.build.compact_grads`): before the first forward, the slots get
         the ``reduce_dtype`` gradient buffers a comm hook reads."""
         self.state.direct_grads = False
+        for shared in {id(s.shared): s.shared for s in self.slots.values() if s.shared is not None}.values():
+            shared.grads = torch.zeros(shared.grad_arena.numel, dtype=self.config.wire_dtype, device=self.device)
+            self.streams.share_with_comm([shared.grads])
         for name, slot in self.slots.items():
             slot.grad_numel = self.grad_sizes[name]
-            slot.grads = torch.zeros(slot.grad_numel, dtype=self.config.wire_dtype, device=self.device)
+            if slot.shared is not None:  # (a view of the buffer the slots share, as at shard())
+                slot.grads = slot.shared.grad_view(name)
+            else:
+                slot.grads = torch.zeros(slot.grad_numel, dtype=self.config.wire_dtype, device=self.device)
         for u in self.units:
             u.forget_grad_views()
-        self.streams.share_with_comm([s.grads for s in self.slots.values()])
+        self.streams.share_with_comm([s.grads for s in self.slots.values() if s.shared is None])
 
     def _check_same_hook(self, state, hook) -> None:
         """Every rank must reduce with the same hook and state settings, or their collectives

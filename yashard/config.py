@@ -66,6 +66,13 @@ class ShardConfig:
             accumulation moves as many bytes as one without. Masters, their gradients and the
             optimizer state stay sharded. Not combinable with ``secondary_group_size`` (hpZ keeps
             slices for backward re-gathers, which this mode has none of).
+        share_outer_slot: ``True``: the embedding and the lm_head gather into the buffer of the two
+            layer slots, laid end to end, instead of a slot of their own (``layout.outer_arena``):
+            the fixed memory drops by that slot, up to what the larger of the two exceeds both
+            layer slots by. Results are bitwise the same; each step exposes about four transfers
+            that the default overlaps (the first layer's and the lm_head's gathers, the last
+            layer's backward re-gather, the first layer's reduction before the embedding's). Needs
+            ``reshard_after_forward=True`` and an lm_head that is not tied to the embedding.
         on_nonfinite: what a NaN/inf in the gradients (as the optimizer would step on them; where
             ``clip_grad_norm_`` ran, read off its per-layer norms, so a norm that overflows counts
             too) or in a layer's forward output does at the next optimizer step: ``"raise"``
@@ -101,6 +108,7 @@ class ShardConfig:
     quantized_weights: int | None = None
     quant_block: int = 4096
     reshard_after_forward: bool = True
+    share_outer_slot: bool = False
     on_nonfinite: str = "raise"
     debug_collectives: bool = False
     collective_timeout: float | None = 600.0
@@ -145,6 +153,14 @@ class ShardConfig:
         if not isinstance(self.reshard_after_forward, bool):
             raise TypeError(
                 f"ShardConfig.reshard_after_forward must be a bool, got {type(self.reshard_after_forward).__name__}"
+            )
+        if not isinstance(self.share_outer_slot, bool):
+            raise TypeError(f"ShardConfig.share_outer_slot must be a bool, got {type(self.share_outer_slot).__name__}")
+        if self.share_outer_slot and not self.reshard_after_forward:
+            raise ValueError(
+                "ShardConfig.share_outer_slot=True puts the embedding and the lm_head into the layer slots, but "
+                "reshard_after_forward=False gives every unit a buffer of its own, so there are none to share; "
+                "drop share_outer_slot=True or reshard_after_forward=False"
             )
         if not self.reshard_after_forward and self.secondary_group_size is not None:
             raise ValueError(

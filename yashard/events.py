@@ -7,14 +7,18 @@ communication stream; compute only ever waits on events, never on the host.
 Rules (each one is enforced at exactly one place, named in brackets):
 
   R1 gather-after-release   A weight slot is gathered into only after the compute stream recorded
-                            the release of the slot's previous owner. [gathers.Gathers.gather]
+                            the release of the slot's previous owner, and of the owner of every
+                            slot sharing its memory (``share_outer_slot``); never while compute may
+                            still read one of those (it raises; a prefetch waits for the unit's
+                            own turn instead). [gathers.Gathers.gather]
   R2 compute-after-gather   A unit computes only after its gather landed (compute waits ``gathered``).
                             [gathers.Gathers.ensure]
   R3 reduce-after-grads     A unit's reduce-scatter starts only after compute recorded that the
                             unit's gradients are complete (its GateGradFlow backward).
                             [reduction.Reducer.reduce]
   R4 write-after-reduce     A gradient slot is written by a new owner only after the previous
-                            owner's reduce-scatter (and its fp32 accumulation) finished.
+                            owner's reduce-scatter (and its fp32 accumulation) finished, and those
+                            of every slot sharing its gradient memory (``share_outer_slot``).
                             [backward.BackwardSchedule.claim_grad_slot]
   R5 gather-before-reduce   Gathers are issued one unit ahead (explicit prefetch), so the gather the
                             compute stream needs next is always already queued before any
@@ -47,6 +51,12 @@ Over one rank (direct slots and ``PassState.direct_grads``) nothing is gathered 
 views read the shards and ``Narrow`` adds the gradients to ``master.grad`` on the compute stream,
 so nothing reaches the communication stream, and the end of a backward makes the caller's stream
 wait for the compute stream (:meth:`Streams.current_waits_for_backward`).
+
+With ``ShardConfig(share_outer_slot=True)`` the embedding's and the lm_head's slots overlap the
+layer slots (:func:`yashard.layout.outer_arena`). The same rules then cost a few waits per step
+that the default overlaps: layer 0's gather after the embedding's forward when they overlap, the
+lm_head's after layer L-1's forward, layer L-1's backward re-gather after the lm_head's backward,
+and the embedding's first gradient write after the reduction of the layer slot it covers.
 
 On CPU, ``torch.cpu`` streams and events are no-ops and kernels run in program order on the host,
 so R1-R4 hold by construction; gloo collectives run on gloo's worker threads and the host waits on

@@ -23,6 +23,7 @@ import torch
 from .buffers import Slot
 from .collectives import Comm
 from .config import ShardConfig
+from .errors import OrderError
 from .events import IN_PLACE, Completed, Pending, Streams, labelled
 from .pass_state import PassState, What
 from .unit import Unit
@@ -58,9 +59,17 @@ class Gathers:
             unit.gathered = IN_PLACE
             slot.owner = unit
             return
-        prev = slot.owner
-        if prev is not None and prev is not unit and prev.gathered is not None and not prev.gathered.done:
-            prev.gathered.wait()  # an unused prefetch still writing into the slot (CPU: gloo thread)
+        busy = [s.owner for s in slot.overlaps if s.reading and s.owner is not None]
+        if busy:  # (R1 would wait on an older release: the reads still to come would see this gather)
+            raise OrderError(
+                f"{unit.name} needs its weights while {busy[0].name}'s, which share its buffer "
+                "(ShardConfig.share_outer_slot=True), are still being read; yashard runs the embedding, the "
+                "layers and the lm_head one after another, in the model's order: call the model as a whole, or "
+                "use share_outer_slot=False")
+        for s in (slot, *slot.overlaps):  # (a shared buffer: every slot this gather writes over)
+            prev = s.owner
+            if prev is not None and prev is not unit and prev.gathered is not None and not prev.gathered.done:
+                prev.gathered.wait()  # an unused prefetch still writing into the slot (CPU: gloo thread)
         comm = self.comm
         on_done = None
         training = torch.is_grad_enabled() and not self.state.in_backward  # (a training forward's gather)
@@ -68,8 +77,9 @@ class Gathers:
         # the slot an autograd history through torch's fallback)
         what = What("all_gather", unit.name, self.state.phase())
         with torch.no_grad(), self.streams.comm_context(), labelled(unit.gather_label), comm.issuing(what):
-            if slot.release is not None:
-                self.streams.comm.wait_event(slot.release)
+            for s in (slot, *slot.overlaps):
+                if s.release is not None:
+                    self.streams.comm.wait_event(s.release)
             out = slot.weights_io.narrow(0, 0, unit.layout.padded)
             if self.state.in_backward and unit.secondary is not None and unit.secondary_version == unit.master._version:
                 work = comm.all_gather(out, unit.secondary, unit.name, comm.secondary_group)
@@ -89,6 +99,10 @@ class Gathers:
         unit.gathered = Pending(self.streams, work, on_done,
                                 functools.partial(comm.wait, what=what))
         slot.owner = unit
+        slot.fresh = True
+        for s in slot.overlaps:  # their owners' weights are overwritten: gathered again when needed
+            s.owner = None
+            s.fresh = False
 
     def _source(self, unit: Unit, out: torch.Tensor) -> torch.Tensor:
         """This rank's part of ``unit``'s gather into ``out``: its master when that is in ``out``'s
@@ -106,19 +120,36 @@ class Gathers:
     def release(self, slot: Slot) -> None:
         """Compute has issued its last read of ``slot``'s weights: record the event a gather into it
         waits for (R1). A direct slot is never gathered into (it shows a shard in place): none."""
+        slot.reading = False
         if not slot.direct:
             slot.release = self.streams.record(self.streams.compute)
 
     def ensure(self, unit: Unit) -> None:
-        """``unit``'s weights are in its slot, and compute waits for them (R2)."""
-        if unit.slot.owner is not unit or unit.gathered is None:
+        """``unit``'s weights are in its slot, and compute waits for them (R2). Compute may read
+        them until the slot's :meth:`release`."""
+        slot = unit.slot
+        if slot.owner is not unit or unit.gathered is None:
             self.gather(unit)
+        slot.reading = True
+        slot.fresh = False
         unit.gathered.wait()  # R2
 
     def prefetch(self, unit: Unit | None) -> None:
-        """Issue ``unit``'s gather unless its slot holds (or is receiving) its weights already."""
+        """Issue ``unit``'s gather unless its slot holds (or is receiving) its weights already, or
+        it would overwrite weights that compute still reads, or a gather no compute used yet, in
+        memory its slot shares with others (``ShardConfig.share_outer_slot``: the gather waits,
+        unprefetched, for the unit's :meth:`ensure`)."""
         if unit is not None and (unit.slot.owner is not unit or unit.gathered is None):
+            if any(s.owner is not None and (s.reading or s.fresh) for s in unit.slot.overlaps):
+                return
             self.gather(unit)
+
+    @staticmethod
+    def settle(slots) -> None:
+        """A forward or a backward starts: no compute reads a slot yet (a pass that raised left its
+        marks)."""
+        for s in slots:
+            s.reading = False
 
     @staticmethod
     def forget_stale(units: list[Unit]) -> None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 
-def slot_assignment(units: Sequence[str], alternate: bool) -> dict[str, str]:
+def slot_assignment(units: Sequence[str], alternate: bool, share_outer: bool = False) -> dict[str, str]:
     """Which slot each unit owns in turn, layers first (so the slots are listed layers first).
 
     ``units`` are unit keys: ``"layer_<i>"``, ``"embed"``, ``"lm_head"``, ``"adapters"`` (the
@@ -31,7 +31,9 @@ def slot_assignment(units: Sequence[str], alternate: bool) -> dict[str, str]:
     (``ShardConfig.reshard_after_forward=True``): even and odd decoder layers share ``"layer_even"``
     / ``"layer_odd"``, the embedding and the lm_head share ``"outer"``, the adapter group and the
     norm group have a slot of their own, named after them. Otherwise every unit has a slot of its
-    own, named after it."""
+    own, named after it. ``share_outer`` (``ShardConfig.share_outer_slot``): the embedding and the
+    lm_head each get a slot of their own, which :func:`outer_arena` places inside the layer slots'
+    buffer."""
     ordered = [k for k in units if k.startswith("layer_")] + [k for k in units if not k.startswith("layer_")]
     if not alternate:
         return {k: k for k in ordered}
@@ -40,8 +42,69 @@ def slot_assignment(units: Sequence[str], alternate: bool) -> dict[str, str]:
         if k.startswith("layer_"):
             out[k] = "layer_even" if int(k.split("_")[1]) % 2 == 0 else "layer_odd"
         else:
-            out[k] = k if k in ("small", "adapters") else "outer"
+            out[k] = k if k in ("small", "adapters") or share_outer else "outer"
     return out
+
+
+@dataclass(frozen=True)
+class Arena:
+    """One buffer that several slots are views of (``ShardConfig.share_outer_slot``): slot ``name``
+    is ``[offsets[name], offsets[name] + sizes[name])`` of ``numel`` elements."""
+
+    numel: int
+    offsets: dict
+    sizes: dict
+
+    def span(self, name: str) -> tuple[int, int]:
+        return self.offsets[name], self.offsets[name] + self.sizes[name]
+
+    def overlaps(self, name: str) -> tuple[str, ...]:
+        """The other slots sharing memory with slot ``name``, in the arena's order."""
+        lo, hi = self.span(name)
+        return tuple(o for o in self.offsets if o != name and lo < self.span(o)[1] and self.span(o)[0] < hi
+                     and hi > lo and self.sizes[o] > 0)
+
+    def draw(self, width: int = 60) -> str:
+        """The slots as bars over the arena, one line each::
+
+            layer_even  |##############################..............................|
+            layer_odd   |..............................##############################|
+            embed       |..................######################################|
+        """
+        scale = width / max(self.numel, 1)
+        lines = []
+        for name in self.offsets:
+            lo, hi = self.span(name)
+            a, b = round(lo * scale), round(hi * scale)
+            lines.append(f"{name:<11} |{'.' * a}{'#' * (b - a)}{'.' * (width - b)}|")
+        return "\n".join(lines)
+
+
+def outer_arena(sizes: dict[str, int], n_layers: int) -> Arena:
+    """Where the slots go in the one buffer they share (``ShardConfig.share_outer_slot``), for the
+    weights or, with the gradient sizes, for the gradients.
+
+    ``layer_even`` then ``layer_odd``, end to end; the buffer is as large as those two, or as the
+    embedding or the lm_head if one is larger. The outer units overlap the layer slots, and each is
+    placed so that it covers first the layer slot needed last around it:
+
+    * the embedding ends where the buffer ends, over ``layer_odd`` first: its forward comes right
+      before layer 0's (even), and its gradients right after layer 1's were reduced (odd), while
+      layer 0's reduction may still be running;
+    * the lm_head covers layer ``L-2``'s slot first: its gather can start while layer ``L-1``
+      computes, and in the backward layer ``L-1``'s re-gather and gradients come right after the
+      lm_head's, before ``L-2``'s.
+
+    A slot of size 0 (no unit trains in it: gradients) takes no memory."""
+    even, odd = sizes.get("layer_even", 0), sizes.get("layer_odd", 0)
+    embed, head = sizes.get("embed", 0), sizes.get("lm_head", 0)
+    numel = max(even + odd, embed, head)
+    offsets = {"layer_even": 0, "layer_odd": even}
+    if "embed" in sizes:
+        offsets["embed"] = numel - embed
+    if "lm_head" in sizes:
+        offsets["lm_head"] = 0 if (n_layers - 2) % 2 == 0 else numel - head
+    return Arena(numel, offsets, {k: sizes.get(k, 0) for k in offsets})
 
 
 def ceil_div(a: int, b: int) -> int:

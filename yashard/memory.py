@@ -73,6 +73,7 @@ class SlotSize:
     numel: int
     grad_numel: int
     direct: bool
+    shared: bool = False  # a view of the buffer the layer slots and the outer units' slots share
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,18 @@ class MemoryInputs:
     staging_numel: int = 0
 
 
+def _shared_outer_row(outer: list[SlotSize], layers: list[SlotSize], p: int, gs_bytes: int) -> MemoryRow:
+    """``ShardConfig.share_outer_slot``: the embedding's and the lm_head's slots lie in the layer
+    slots' buffer, which grows only by what the larger of them exceeds both layer slots by."""
+    s = max(o.numel for o in outer)
+    e = max(0, s - sum(x.numel for x in layers))
+    ge = max(0, max(o.grad_numel for o in outer) - sum(x.grad_numel for x in layers))
+    names = " and ".join(o.name for o in outer)
+    grads = f"E*({p}+{gs_bytes})" if ge == e else f"E*{p} + E'*{gs_bytes} (E'={ge}: gradients)"
+    return MemoryRow("slot " + "+".join(o.name for o in outer), e, e * p + ge * gs_bytes,
+                     f"S={s}, in the layer slots' buffer ({names}: share_outer_slot), E={e} beyond it: {grads}")
+
+
 def plan_memory(inp: MemoryInputs) -> MemoryPlan:
     """Derive the plan from the layouts and dtypes alone (no tensor is inspected).
 
@@ -122,7 +135,12 @@ def plan_memory(inp: MemoryInputs) -> MemoryPlan:
     gs_bytes = p if compact else g  # bytes of a slot's gradient element
     rows = []
     frozen_slots = any(slot.grad_numel != slot.numel for slot in inp.slots)
+    outer = [slot for slot in inp.slots if slot.shared and not slot.name.startswith("layer_")]
     for slot in [] if inp.direct_grads else inp.slots:  # (one rank: no slot holds anything)
+        if slot in outer:
+            if slot is outer[0]:
+                rows.append(_shared_outer_row(outer, [s for s in inp.slots if s.shared and s not in outer], p, gs_bytes))
+            continue
         s, gs = slot.numel, slot.grad_numel
         if gs != s:  # units whose parameters are all frozen use it: grads sized by the others (G)
             weights = "weights: the unit's own shard" if slot.direct else f"S*{p} weights"

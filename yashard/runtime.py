@@ -57,12 +57,13 @@ class Runtime:
         groups = partition.partition(model, spec)
         partition.check_same_model(comm, config, groups)
         layouts = build.layouts_of(groups, self.world, config)
-        slot_of, sizes, grad_sizes = build.slot_sizes(groups, layouts, config)
         self.direct = build.direct_slots(self.world, config)
+        slot_of, sizes, grad_sizes = build.slot_sizes(groups, layouts, config, self.direct)
         self.state = PassState(direct_grads=build.direct_grads(self.direct, self.dp_world, config))
         compact = build.compact_grads(config, self.world, self.direct)
-        self.slots = build.make_slots(sizes, grad_sizes, self.world, config, device, self.direct,
-                                      self.state.direct_grads, compact)
+        self.slots, self.shared = build.make_slots(sizes, grad_sizes, self.world, config, device, self.direct,
+                                                   self.state.direct_grads, compact,
+                                                   n_layers=sum(k.startswith("layer_") for k in groups))
         self.reducer = Reducer(comm, config, self.streams, self.state,
                                max(grad_sizes[name] for name in self.slots) // self.world, device,
                                build.staging_chunk(grad_sizes, self.world, config) if compact else 0)
@@ -122,6 +123,7 @@ class Runtime:
             self.new_parameters()  # (get_peft_model or a module swap after shard(): never reduced)
         if self.state.in_backward:
             self.backward.recover_from_failed_backward()
+        Gathers.settle(self.slots.values())
         self.drain()
         self.streams.capture_compute()
         self.gathers.refresh_sources(self.units)
@@ -275,7 +277,8 @@ class Runtime:
         """What the memory plan is a formula of: the sizes this runtime allocated."""
         return MemoryInputs(
             config=self.config, world=self.world,
-            slots=tuple(SlotSize(s.name, s.numel, s.grad_numel, s.direct) for s in self.slots.values()),
+            slots=tuple(SlotSize(s.name, s.numel, s.grad_numel, s.direct, s.shared is not None)
+                        for s in self.slots.values()),
             units=tuple(UnitSize(u.layout.shard_numel, u.grad_storage is not None,
                                  u.frozen_values.numel() if u.frozen_values is not None else 0,
                                  u.layout.padded if u.kind == "layer" else None, u.master.dtype) for u in self.units),
@@ -291,6 +294,9 @@ class Runtime:
     def allocated_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor the runtime holds, by name (what the memory plan accounts for)."""
         out = {}
+        if self.shared is not None:  # (the layer slots and the outer units' slots are views of it)
+            for k, t in self.shared.tensors().items():
+                out[f"shared.{k}"] = t
         for slot in self.slots.values():
             for k, t in slot.tensors().items():
                 out[f"slot.{slot.name}.{k}"] = t

@@ -71,12 +71,14 @@ def memory_inputs(model: nn.Module, config: ShardConfig, topo: Topology, backend
     world = topo.shard_size
     shard_rank = topo.shard_rank
     layouts = build.layouts_of(groups, world, config)
-    slot_of, sizes, grad_sizes = build.slot_sizes(groups, layouts, config)
     direct = build.direct_slots(world, config)
+    slot_of, sizes, grad_sizes = build.slot_sizes(groups, layouts, config, direct)
     direct_grads = build.direct_grads(direct, topo.world, config)
     compact = build.compact_grads(config, world, direct)
     staging = world * build.staging_chunk(grad_sizes, world, config) if compact else 0
-    slots = tuple(SlotSize(name, numel, 0 if direct_grads else grad_sizes[name], direct)
+    shared = build.shares_outer(config, direct)
+    slots = tuple(SlotSize(name, numel, 0 if direct_grads else grad_sizes[name], direct,
+                           shared and name in ("layer_even", "layer_odd", "embed", "lm_head"))
                   for name, numel in sizes.items() if numel > 0)
     units = []
     for key, members in groups.items():

@@ -208,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--secondary-group-size", type=int, default=None, help="hpZ: ranks per secondary group")
     p.add_argument("--quantized-weights", type=int, choices=(4, 8), default=None, help="qwZ: bits per weight")
     p.add_argument("--no-reshard", action="store_true", help="reshard_after_forward=False")
+    p.add_argument("--share-outer-slot", action="store_true",
+                   help="share_outer_slot=True: the embedding and the lm_head in the layer slots' buffer")
     p.add_argument("--backend", choices=BACKENDS, default="nccl")
     p.add_argument("--gpu-memory", type=_size, default=None, help="memory of one GPU, e.g. 80GiB")
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence")
@@ -244,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         config = ShardConfig(param_dtype=dtypes[args.param_dtype], reduce_dtype=dtypes[args.reduce_dtype],
                              shard_group_size=args.shard_group_size, secondary_group_size=args.secondary_group_size,
                              quantized_weights=args.quantized_weights, reshard_after_forward=not args.no_reshard,
-                             checkpoint_layers=args.checkpoint_layers)
+                             share_outer_slot=args.share_outer_slot, checkpoint_layers=args.checkpoint_layers)
         result = plan(model, world_size=args.world, config=config, backend=args.backend)
         # (refuses a model family the activation estimate cannot model)
         activations(shape_of(model), seq=args.seq_len, micro_batch=args.micro_batch,
@@ -255,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.config}: param_dtype {dtype_name(config.param_dtype)}, reduce_dtype "
           f"{dtype_name(config.wire_dtype)}, backend {args.backend}")
     print(report(result, args.gpu_memory))
+    hint = _shared_outer_hint(model, result, config, args.world, args.backend)
+    if hint:
+        print(hint)
     print(peaks_report(model, result, config, args.world, seq=args.seq_len, micro_batch=args.micro_batch,
                        checkpoint=args.checkpoint_layers, attention=args.attention, gpu_memory=args.gpu_memory,
                        backend=args.backend))
@@ -267,7 +272,25 @@ def main(argv: list[str] | None = None) -> int:
 # ShardConfig's fields as the command line names them, for its error messages.
 _FLAGS = {"checkpoint_layers": "--checkpoint-layers", "shard_group_size": "--shard-group-size",
           "secondary_group_size": "--secondary-group-size", "quantized_weights": "--quantized-weights",
-          "param_dtype": "--param-dtype", "reduce_dtype": "--reduce-dtype", "reshard_after_forward=False": "--no-reshard"}
+          "param_dtype": "--param-dtype", "reduce_dtype": "--reduce-dtype", "reshard_after_forward=False": "--no-reshard",
+          "share_outer_slot=True": "--share-outer-slot", "share_outer_slot=False (the default)": "no --share-outer-slot",
+          "share_outer_slot": "--share-outer-slot"}
+
+
+def _shared_outer_hint(model, result: MemoryPlan, config: ShardConfig, world: int, backend: str) -> str | None:
+    """What ``--share-outer-slot`` would save, when it is not on and the model allows it."""
+    if config.share_outer_slot or not config.reshard_after_forward:
+        return None
+    try:
+        shared = plan(model, world_size=world, config=replace(config, share_outer_slot=True),
+                      backend=backend)
+    except ValueError:  # (tied embeddings)
+        return None
+    saved = result.total_bytes - shared.total_bytes
+    if saved <= 0:
+        return None
+    return (f"  with --share-outer-slot: yashard total {shared.total_bytes / 2**30:.3f} GiB, {saved / 2**30:.3f} GiB "
+            "less (the embedding and the lm_head gather into the layer slots' buffer)")
 
 
 def _one_line(e: Exception) -> str:

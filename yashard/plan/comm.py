@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from .. import build, partition
 from ..config import ShardConfig
-from ..layout import chunk_bounds, reduce_chunk
+from ..layout import chunk_bounds, outer_arena, reduce_chunk
 from ..memory import dtype_bytes
 from ..patch.spec import resolve_spec
 from ..quant import packed_nbytes, qwz_workspace_nbytes
@@ -110,6 +110,17 @@ def yashard_collectives(units: dict[str, tuple[int, bool]], *, world: int, confi
         else:
             out.append(Collective("all_gather", phase, unit, group, s, padded, padded * p))
 
+    if s > 1 and config.share_outer_slot:  # (the outer units in the layer slots' buffer)
+        arena_units = [u for u in units if u in ("embed", "lm_head") or u.startswith("layer_")]
+        for micro in range(micro_batches):
+            for unit, (_, trains) in units.items():
+                if unit not in arena_units and (trains if micro == 0 else unit != "small"):
+                    gather("forward", unit)
+        for phase, unit in _shared_outer_gathers(units, arena_units, micro_batches):
+            gather(phase, unit, secondary=h is not None and phase == "backward" and unit.startswith("layer_"))
+        for micro in range(micro_batches):
+            _reductions(out, units, s, replicas, g, group, qgz, config, chunk)
+        return tuple(out)
     in_slots = {"small", *layers[:2]}  # still gathered when a backward ends
     if "lm_head" not in units:
         in_slots.add("embed")              # tied: the outer slot holds the embedding and the lm_head
@@ -129,6 +140,74 @@ def yashard_collectives(units: dict[str, tuple[int, bool]], *, world: int, confi
                 gather("backward", unit, secondary=h is not None)
         _reductions(out, units, s, replicas, g, group, qgz, config, chunk)
     return tuple(out)
+
+
+def _shared_outer_gathers(units: dict[str, tuple[int, bool]], order: list[str],
+                          micro_batches: int) -> list[tuple[str, str]]:
+    """``ShardConfig.share_outer_slot``: the gathers of the embedding, the layers and the lm_head in
+    one step, ``(phase, unit)``, found by running the schedule's rules on the slots' overlaps
+    (:mod:`yashard.gathers`: a gather takes over every slot it overlaps; a prefetch waits while an
+    overlapped slot is read or holds a gather not used yet). Two steps run; the second is returned,
+    its optimizer step's post-hook gathers first."""
+    layers = [u for u in order if u.startswith("layer_")]
+    slot_of = {u: u if not u.startswith("layer_") else ("layer_even" if int(u.split("_")[1]) % 2 == 0
+                                                         else "layer_odd") for u in order}
+    sizes: dict[str, int] = {}
+    for u in order:
+        sizes[slot_of[u]] = max(sizes.get(slot_of[u], 0), units[u][0])
+    arena = outer_arena(sizes, len(layers))
+    overlaps = {name: set(arena.overlaps(name)) for name in sizes}
+    owner: dict[str, str] = {}
+    fresh: set[str] = set()
+    reading: set[str] = set()
+    current: set[str] = set()  # units gathered at their masters' current version
+    log: list[tuple[str, str]] = []
+
+    def have(u):
+        return owner.get(slot_of[u]) == u and u in current
+
+    def gather(u, phase):
+        log.append((phase, u))
+        slot = slot_of[u]
+        owner[slot] = u
+        fresh.add(slot)
+        for o in overlaps[slot]:
+            owner.pop(o, None)
+            fresh.discard(o)
+        current.add(u)
+
+    def prefetch(u, phase):
+        if u is not None and not have(u) and not any(o in owner and (o in reading or o in fresh)
+                                                     for o in overlaps[slot_of[u]]):
+            gather(u, phase)
+
+    def run(u, nxt, phase):  # ensure, prefetch the next unit, release
+        if not have(u):
+            gather(u, phase)
+        reading.add(slot_of[u])
+        fresh.discard(slot_of[u])
+        prefetch(nxt, phase)
+        reading.discard(slot_of[u])
+
+    backward = (["lm_head"] if "lm_head" in order else []) + layers[::-1]
+    for step in range(2):
+        if step:  # the optimizer step: masters change; its post-hook gathers the first unit of every slot
+            start = len(log)
+            current -= {u for u in order if units[u][1]}
+            seen = set()
+            for u in order:
+                if slot_of[u] not in seen:
+                    seen.add(slot_of[u])
+                    prefetch(u, "forward")
+        for _ in range(micro_batches if step else 1):
+            reading.clear()
+            prefetch(order[0], "forward")
+            for i, u in enumerate(order):
+                run(u, order[i + 1] if i + 1 < len(order) else None, "forward")
+            reading.clear()
+            for i, u in enumerate(backward):
+                run(u, backward[i + 1] if i + 1 < len(backward) else None, "backward")
+    return log[start:]
 
 
 def _reductions(out: list, units: dict[str, tuple[int, bool]], s: int, replicas: int, g: int, group: str,

@@ -143,3 +143,19 @@ def test_the_command_line_offers_and_plans_the_shared_outer_slot():
             assert "yashard total               8.699 GiB" in text
         else:
             assert "with --share-outer-slot: yashard total 8.699 GiB, 3.914 GiB less" in text
+
+
+def _lora_both(rank, world):
+    from peft_workers import run_lora
+
+    return [run_lora(rank, world, param_dtype=torch.bfloat16, share_outer_slot=share) for share in (True, False)]
+
+
+def test_peft_lora_with_the_shared_outer_slot_trains_bitwise_as_with_its_own():
+    """LoRA: the decoder layers and the outer units are frozen (no gradient buffers at all), the
+    adapter group resident in its own slot; only where the frozen weights are gathered moves."""
+    for shared, own in run_distributed(_lora_both, 2):
+        assert shared["losses"] == own["losses"] and shared["norms"] == own["norms"]
+        assert torch.equal(shared["logits"], own["logits"])
+        assert all(torch.equal(shared["params"][k], v) for k, v in own["params"].items())
+        assert shared["plan"] == shared["allocated"] < own["plan"]

@@ -1,4 +1,5 @@
-"""Rank functions for tests/test_hf.py: HF Trainer, Accelerate and TRL on yashard and on DDP.
+"""Rank functions for tests/test_hf.py, test_hf_dpo.py and test_hf_errors.py: HF Trainer,
+Accelerate and TRL on yashard and on DDP.
 
 Every run builds the same tiny Llama (seed 0) and the same in-memory data, so a DDP run and a
 yashard run see the same global batches; they return what the tests compare (Trainer's
@@ -309,3 +310,124 @@ def refusals(rank, world, out):
         acc.save_state(os.path.join(out, "state"))
     got["two_models"] = str(e.value)
     return got
+
+
+def preference_data(n: int = 16, seed: int = 4):
+    """An in-memory preference dataset (prompt, chosen, rejected) of words of the tiny vocabulary."""
+    import datasets
+
+    g = torch.Generator().manual_seed(seed)
+
+    def words(low, high):
+        n = int(torch.randint(low, high, (1,), generator=g))
+        return " ".join(f"w{int(i)}" for i in torch.randint(3, VOCAB, (n,), generator=g))
+
+    return datasets.Dataset.from_list([{"prompt": words(3, 8), "chosen": words(2, 6) + " </s>",
+                                        "rejected": words(2, 6) + " </s>"} for _ in range(n)])
+
+
+def _dpo_config(out, **overrides):
+    from trl import DPOConfig
+
+    return DPOConfig(**{**dict(output_dir=out, per_device_train_batch_size=2, max_steps=2, logging_steps=1,
+                               learning_rate=1e-2, report_to=[], save_strategy="no", use_cpu=True, seed=0,
+                               dataloader_drop_last=True, disable_tqdm=True, bf16=False), **overrides})
+
+
+def dpo_run(rank, world, engine, out, cases):
+    """TRL's DPOTrainer (TRL's defaults but fp32, 2 steps) on DDP or through
+    ``yashard.hf.sharded_trainer``, for each of ``cases``: ``"peft"`` (a LoRA ``peft_config``: the
+    reference is the base model, its adapter disabled) or ``"folder"`` (no PEFT, the model given as a
+    folder, from which TRL loads the reference model). Returns per case the step logs and the types
+    of the model and the reference model."""
+    from trl import DPOTrainer
+
+    import yashard.hf
+
+    cls = DPOTrainer if engine == "ddp" else yashard.hf.sharded_trainer(DPOTrainer)
+    results = {}
+    for case in cases:
+        model = models.build("llama", seed=0)
+        if case == "folder":
+            folder = os.path.join(out, "init_model")
+            if rank == 0:
+                model.save_pretrained(folder)
+            torch.distributed.barrier()
+            model = folder
+        # (OLoRA's init comes from the weights, not the RNG: see sft_run)
+        trainer = cls(model=model, args=_dpo_config(os.path.join(out, case)), train_dataset=preference_data(),
+                      processing_class=tokenizer(), peft_config=lora_config("olora") if case == "peft" else None)
+        trainer.train()
+        results[case] = {"steps": _steps(trainer.state.log_history), "model": type(trainer.model).__name__,
+                         "ref_model": type(trainer.ref_model).__name__}
+    return results
+
+
+def _fused_head_with_chunk_size(add_fused_lm_head):
+    """TRL's ``add_fused_lm_head`` as another TRL version might have it: its forward takes one keyword
+    argument more (``chunk_size``), which yashard's answer would not honour."""
+    import types
+
+    def add(model, *args, **kwargs):
+        add_fused_lm_head(model, *args, **kwargs)
+        trl_forward = model.forward.__func__
+
+        def _fused_forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None,
+                           num_items_in_batch=None, chunk_size=None, **kwargs):
+            return trl_forward(self, *args, fused_lm_head=fused_lm_head, labels=labels, shift_labels=shift_labels,
+                               num_items_in_batch=num_items_in_batch, **kwargs)
+
+        model.forward = types.MethodType(_fused_forward, model)
+
+    return add
+
+
+def trainer_refusals(rank, world, out):
+    """What yashard.hf's trainers refuse, on one rank (TrainingArguments set up Accelerate's state:
+    not in the test process): Accelerate's FSDP variable, an unknown TRL fused LM head, DPO's
+    reference model of a PEFT model given as such, sync_ref_model, precompute_ref_log_probs.
+    Returns the messages."""
+    import datasets
+    import pytest
+    import trl.trainer.sft_trainer
+    from peft import get_peft_model
+    from trl import DPOTrainer
+
+    import yashard.hf
+
+    got = {}
+    data = datasets.Dataset.from_dict({"input_ids": [list(range(3, 12))] * 4})
+    own = trl.trainer.sft_trainer.add_fused_lm_head
+    trl.trainer.sft_trainer.add_fused_lm_head = _fused_head_with_chunk_size(own)
+    try:
+        with pytest.raises(NotImplementedError) as e:
+            yashard.hf.SFTTrainer(model=models.build("llama"), args=_sft_config(out), train_dataset=data,
+                                  processing_class=tokenizer())
+        got["fused_head"] = str(e.value)
+    finally:
+        trl.trainer.sft_trainer.add_fused_lm_head = own
+    with pytest.raises(ValueError) as e:
+        yashard.hf.sharded_trainer(DPOTrainer)(model=get_peft_model(models.build("llama"), lora_config()),
+                                               args=_dpo_config(out), train_dataset=preference_data(),
+                                               processing_class=tokenizer())
+    got["dpo_peft_model"] = str(e.value)
+    for name in ("sync_ref_model", "precompute_ref_log_probs"):
+        with pytest.raises(ValueError) as e:
+            yashard.hf.sharded_trainer(DPOTrainer)(model=models.build("llama"), args=_dpo_config(out, **{name: True}),
+                                                   train_dataset=preference_data(), processing_class=tokenizer())
+        got[name] = str(e.value)
+    os.environ["ACCELERATE_USE_FSDP"] = "true"  # (as `accelerate launch --use_fsdp` sets it)
+    try:
+        with pytest.raises(ValueError) as e:
+            yashard.hf.Trainer(model=models.build("llama"), args=_args(out), train_dataset=lm_data())
+        got["fsdp_env"] = str(e.value)
+    finally:
+        del os.environ["ACCELERATE_USE_FSDP"]
+    return got
+
+
+def _sft_config(out, **overrides):
+    from trl import SFTConfig
+
+    return SFTConfig(**{**dict(output_dir=out, per_device_train_batch_size=2, max_steps=1, report_to=[],
+                               save_strategy="no", use_cpu=True, bf16=False, disable_tqdm=True), **overrides})

@@ -24,7 +24,11 @@ __all__ = ["Accelerator", "Trainer", "SFTTrainer", "ShardedTrainerMixin", "shard
 
 def __getattr__(name: str):
     if name == "SFTTrainer":  # (TRL is imported only when asked for)
-        from trl import SFTTrainer as _SFTTrainer
+        try:
+            from trl import SFTTrainer as _SFTTrainer
+        except ImportError as e:
+            raise ImportError("yashard.hf.SFTTrainer needs TRL: pip install 'yashard[hf]' (accelerate, trl, peft, "
+                              "datasets)") from e
 
         return sharded_trainer(_SFTTrainer)
     raise AttributeError(f"module 'yashard.hf' has no attribute {name!r}")

@@ -3,7 +3,10 @@
 A drop-in subclass of ``accelerate.Accelerator``. What it changes, and only for a yashard model:
 
 * ``prepare(model)`` shards an unsharded model (``ShardConfig`` from ``shard_config=``, or derived
-  from ``mixed_precision``) and never wraps it in DDP: yashard reduces the gradients itself.
+  from ``mixed_precision``) and never wraps it in DDP: yashard reduces the gradients itself. A frozen
+  model, or one prepared with ``evaluation_mode=True``, is left unsharded, as Accelerate leaves it
+  without DDP. An FSDP, DeepSpeed or Megatron-LM plugin, or ``accelerate launch``'s variable for one,
+  is refused.
   It places nothing: the shards already live on their device. No autocast wraps the forward:
   the model computes in ``ShardConfig.param_dtype``, which must match ``mixed_precision``.
 * ``no_sync`` / ``accumulate``: with ``reshard_after_forward=True`` (yashard's default) every
@@ -61,6 +64,36 @@ def ensure_process_group() -> None:
         return
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+# what would shard or wrap the model in yashard's place: Accelerator's plugin argument, the variable that
+# ``accelerate launch`` (--use_fsdp, --use_deepspeed, or a config file that asks for them) sets, the name
+_OTHER_SHARDING = (("fsdp_plugin", "ACCELERATE_USE_FSDP", "FSDP"),
+                   ("deepspeed_plugin", "ACCELERATE_USE_DEEPSPEED", "DeepSpeed"),
+                   ("deepspeed_plugins", "ACCELERATE_USE_DEEPSPEED", "DeepSpeed"),
+                   ("megatron_lm_plugin", "ACCELERATE_USE_MEGATRON_LM", "Megatron-LM"))
+_OTHER_TYPES = (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM)
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "t", "yes", "y", "on")
+
+
+def refuse_other_sharding(plugins: dict | None = None) -> None:
+    """Refuse an FSDP, DeepSpeed or Megatron-LM plugin in ``plugins`` (Accelerator's arguments), or
+    the environment variable ``accelerate launch`` sets for one: each shards or wraps the model in
+    yashard's place. Checked before Accelerate reads them (it would set the variable itself)."""
+    plugins = plugins or {}
+    for arg, var, name in _OTHER_SHARDING:
+        if plugins.get(arg) is not None:
+            raise ValueError(f"yashard.hf.Accelerator({arg}=...): {name} would wrap the model that yashard shards; "
+                             "leave the plugin out (shard_config=ShardConfig(...) sets yashard's sharding)")
+        if _env_flag(var):
+            raise ValueError(f"yashard.hf with {var}={os.environ[var]} in the environment, which `accelerate launch` "
+                             f"sets for {name} (its --use_{name.lower().replace('-', '_')} option or a config file "
+                             f"with distributed_type {name.upper().replace('-', '_')}): yashard shards the model in "
+                             f"{name}'s place. Launch with torchrun, or with an accelerate config whose "
+                             "distributed_type is MULTI_GPU (or MULTI_CPU)")
 
 
 def precision_dtype(mixed_precision: str) -> torch.dtype:
@@ -124,7 +157,11 @@ class Accelerator(_Accelerator):
     ``ShardConfig(param_dtype=...)`` from ``mixed_precision``."""
 
     def __init__(self, *args, shard_config: ShardConfig | None = None, **kwargs):
+        refuse_other_sharding(kwargs)
         super().__init__(*args, **kwargs)
+        if self.distributed_type in _OTHER_TYPES:  # (an earlier Accelerator of this process configured it)
+            raise ValueError(f"an Accelerator configured for {self.distributed_type.value}: yashard shards the model "
+                             "in its place; leave the FSDP, DeepSpeed or Megatron-LM plugin and config out")
         self.shard_config = shard_config
 
     # --- the model -----------------------------------------------------------------------
@@ -136,9 +173,11 @@ class Accelerator(_Accelerator):
     def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
                       evaluation_mode: bool = False):
         if not isinstance(model, ShardedModel):
-            if not any(p.requires_grad for p in model.parameters()):  # (a frozen teacher or reference model: no DDP)
+            # a frozen teacher, or a model prepared for evaluation only (TRL's reference model): neither DDP nor
+            # FSDP wraps it in Accelerate, so it is not sharded either
+            if evaluation_mode or not any(p.requires_grad for p in model.parameters()):
                 return super().prepare_model(model, device_placement, evaluation_mode=True)
-            if self.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+            if self.distributed_type in _OTHER_TYPES:
                 raise ValueError(f"an Accelerator configured for {self.distributed_type.value}: yashard shards the "
                                  "model in its place; leave the FSDP or DeepSpeed plugin and config out")
             ensure_process_group()

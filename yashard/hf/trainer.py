@@ -40,7 +40,8 @@ from ..config import ShardConfig
 from ..hf_export import export_hf
 from ..sharded_model import ShardedModel
 from ..peft_adapter import save_adapter
-from .accelerator import CHECKPOINT_DIR, Accelerator, ensure_process_group, raw_optimizer, with_precision
+from .accelerator import (CHECKPOINT_DIR, Accelerator, ensure_process_group, raw_optimizer, refuse_other_sharding,
+                          with_precision)
 
 logger = logging.getLogger("yashard")
 
@@ -96,6 +97,10 @@ _REFUSED_ARGS = {
     "torch_compile": "Accelerate's compile wraps the model it prepares, which yashard shards instead; leave it off",
     "fsdp": "yashard shards the model in FSDP's place; leave fsdp and fsdp_config out",
     "deepspeed": "yashard shards the model in DeepSpeed's place; leave deepspeed out",
+    "sync_ref_model": "TRL mixes the policy's parameters into the reference model's one by one, and a sharded "
+                      "policy's parameters are flat shards; leave it off",
+    "precompute_ref_log_probs": "TRL names its cache by a hash of the model's state_dict, which a sharded model does "
+                                "not have; leave it off (the reference runs beside the policy at each step)",
 }
 
 
@@ -104,6 +109,7 @@ def _refuse_unsupported(args, given: dict) -> None:
     for name, why in _REFUSED_ARGS.items():
         if getattr(args, name, None):
             raise ValueError(f"TrainingArguments({name}=...) with yashard.hf: {why}")
+    refuse_other_sharding()  # (ACCELERATE_USE_FSDP, ...: the Accelerator that Trainer builds reads them)
     if given.get("model_init") is not None:
         raise ValueError("model_init with yashard.hf: pass the model itself (model=...); the trainer shards it once")
 
@@ -177,6 +183,15 @@ class ShardedTrainerMixin:
             _check_sharded(model, args)
         if model is None:
             raise ValueError(f"{type(self).__name__} needs model=: an HF model, a local folder or a sharded model")
+        if "ref_model" in bound.signature.parameters and given.get("ref_model") is None and is_peft(model):
+            if peft_config is None:  # (TRL's reference would be a copy of the adapter as given: a second adapter)
+                raise ValueError(
+                    f"{type(self).__name__} with a PEFT model and no ref_model: TRL's reference would be a copy of the "
+                    "model's adapter, which yashard.hf cannot add to a sharded model. Pass the base model with "
+                    "peft_config= (the reference is then the base model, its adapter disabled), or pass ref_model=")
+            # TRL takes the base model with the adapter disabled as the reference of a model it applied
+            # peft_config to; it does not see the PeftModel inside a sharded model, so name that reference
+            given["ref_model"] = AdapterOffReference(model)
         _check_optimizers(given.get("optimizers"), model)
         if checkpointing(args):
             logger.info("yashard: activation checkpointing is yashard's own (ShardConfig.checkpoint_layers=%d); "
@@ -193,6 +208,8 @@ class ShardedTrainerMixin:
             self.label_names = find_labels(hf_class)
         self.can_return_loss = can_return_loss(hf_class)
         replace_fused_lm_head(self.model)
+        if isinstance(getattr(self, "ref_model", None), AdapterOffReference):
+            self.ref_model.take_fused_lm_head()
 
     def compute_loss(self, model, inputs, *pos, **kwargs):
         # Trainer shifts the labels for label smoothing (and a compute_loss_func) only when the model
@@ -329,6 +346,46 @@ def fused_lm_head_settings(forward) -> dict | None:
     return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
 
 
+# what yashard.hf's answer to TRL's fused LM head (add_fused_lm_head) knows: TRL 1.16's keyword
+# arguments, the variables its forward closes over, and the per-token fields it computes
+FUSED_TRL_VERSION = "1.16"
+_FUSED_KEYWORDS = {"fused_lm_head", "labels", "shift_labels", "num_items_in_batch"}
+_FUSED_VARIABLES = {"backbone_attr", "cast_lm_head_to_fp32", "final_logit_softcapping", "logit_scale",
+                    "original_forward", "outputs", "temperature", "text_config"}
+_FUSED_OUTPUTS = {"log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1"}
+
+
+def fused_lm_head_temperature(forward, settings: dict, dtype: torch.dtype) -> float:
+    """The ``temperature`` of TRL's fused forward ``forward`` (its ``settings``: the variables it closes
+    over), for a model computing in ``dtype``. Refuses a forward that takes, reads or computes what
+    yashard's answer does not know (another TRL version), as that answer would ignore it."""
+    own = inspect.signature(getattr(forward, "__func__", forward), follow_wrapped=False).parameters.values()
+    named = [p.name for p in own if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)][1:]  # (not self)
+    outputs = settings.get("outputs")
+    problems = [f"it takes {name}=" for name in named if name not in _FUSED_KEYWORDS]
+    problems += [f"it reads {name}" for name in sorted(set(settings) - _FUSED_VARIABLES)]
+    temperature = settings.get("temperature")
+    if "temperature" not in settings:
+        problems.append("it reads no temperature")
+    elif not isinstance(temperature, (int, float)) or isinstance(temperature, bool):
+        problems.append(f"its temperature is {temperature!r}, not a number")
+    if not isinstance(outputs, tuple):
+        problems.append("it reads no outputs tuple")
+    else:
+        problems += [f"it computes {name!r}" for name in outputs if name not in _FUSED_OUTPUTS]
+    if problems:
+        raise NotImplementedError(
+            f"this TRL trainer's fused LM head (add_fused_lm_head) is of a version yashard.hf does not know: "
+            f"{'; '.join(problems)}. yashard.hf answers TRL {FUSED_TRL_VERSION}'s from the model's logits (TRL's reads "
+            f"lm_head.weight outside the lm_head's forward, which a sharded model cannot), and would ignore that. "
+            f"Install trl=={FUSED_TRL_VERSION}.* (yashard's hf extra)")
+    if settings.get("cast_lm_head_to_fp32") and dtype != torch.float32:
+        raise NotImplementedError(
+            f"cast_lm_head_to_fp32=True with yashard.hf: a sharded lm_head computes in ShardConfig.param_dtype "
+            f"({dtype}); leave it off, or train in fp32")
+    return float(temperature)
+
+
 def replace_fused_lm_head(model) -> None:
     """TRL's ``add_fused_lm_head`` makes ``model(..., fused_lm_head=True)`` run the backbone and read
     ``lm_head.weight`` outside the lm_head's own forward, where a sharded model has no weights. Give
@@ -339,15 +396,35 @@ def replace_fused_lm_head(model) -> None:
     settings = fused_lm_head_settings(forward)
     if settings is None:
         return
-    if not isinstance(settings.get("temperature"), (int, float)) or not isinstance(settings.get("outputs"), tuple):
-        raise NotImplementedError(
-            "this TRL trainer's fused LM head (add_fused_lm_head) is of a version yashard.hf does not know: it reads "
-            "lm_head.weight outside the lm_head's forward, which a sharded model cannot. Use the TRL version in "
-            "yashard's hf extra")
+    temperature = fused_lm_head_temperature(forward, settings, model.runtime.config.param_dtype)
     logger.info("yashard: TRL's fused LM-head loss reads lm_head.weight outside the lm_head's forward, which a sharded "
                 "model cannot; the model's own forward computes the same per-token fields from its full logits")
-    model.forward = types.MethodType(functools.partial(_logits_fused_forward, temperature=float(settings["temperature"])),
-                                     model)
+    model.forward = types.MethodType(functools.partial(_logits_fused_forward, temperature=temperature), model)
+
+
+class AdapterOffReference(torch.nn.Module):
+    """The reference model of a trainer that applied ``peft_config`` (TRL's DPO): the sharded policy
+    with its adapter disabled, as TRL computes it for a PEFT model. It holds no parameter of its own
+    (the policy is not a submodule), so Accelerate prepares it as a frozen model."""
+
+    def __init__(self, policy: ShardedModel):
+        super().__init__()
+        object.__setattr__(self, "policy", policy)
+        self.config = hf_model(policy).config  # (TRL reads it, e.g. in add_fused_lm_head)
+        self.temperature = 1.0
+
+    def forward(self, *args, **kwargs):
+        with self.policy.module.disable_adapter():
+            return _logits_fused_forward(self.policy, *args, temperature=self.temperature, **kwargs)
+
+    def take_fused_lm_head(self) -> None:
+        """Replace the fused head TRL put on this module (and the autocast Accelerate wrapped it in,
+        which the sharded policy computes without) by its answer from the policy's logits."""
+        forward = self.__dict__.pop("_original_forward", None) or self.__dict__.get("forward")
+        self.__dict__.pop("forward", None)
+        settings = fused_lm_head_settings(forward)
+        if settings is not None:
+            self.temperature = fused_lm_head_temperature(forward, settings, self.policy.runtime.config.param_dtype)
 
 
 def _logits_fused_forward(self, *args, temperature=1.0, fused_lm_head=False, labels=None, shift_labels=None,

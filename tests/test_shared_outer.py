@@ -102,21 +102,26 @@ def test_evaluation_between_forward_and_backward_inputs_embeds_and_generate_are_
 
 def test_the_arena_places_each_outer_unit_over_the_layer_slot_needed_last():
     # smaller than a layer slot: the embedding over layer 1's slot, the lm_head over layer L-2's
-    a = outer_arena({"layer_even": 100, "layer_odd": 100, "embed": 60, "lm_head": 60}, n_layers=4)
+    a = outer_arena({"layer_even": 100, "layer_odd": 100, "embed": 60, "lm_head": 60}, n_layers=4, align=1)
     assert a.numel == 200 and a.span("layer_odd") == (100, 200)
     assert a.span("embed") == (140, 200) and a.overlaps("embed") == ("layer_odd",)
     assert a.span("lm_head") == (0, 60) and a.overlaps("lm_head") == ("layer_even",)
-    odd = outer_arena({"layer_even": 100, "layer_odd": 100, "embed": 60, "lm_head": 60}, n_layers=5)
+    odd = outer_arena({"layer_even": 100, "layer_odd": 100, "embed": 60, "lm_head": 60}, n_layers=5, align=1)
     assert odd.span("lm_head") == (140, 200)  # layer 3 is odd
     assert odd.overlaps("lm_head") == ("layer_odd", "embed")
     # larger than both: the buffer grows by the difference, every slot overlaps the outer ones
-    big = outer_arena({"layer_even": 100, "layer_odd": 90, "embed": 250, "lm_head": 250}, n_layers=80)
+    big = outer_arena({"layer_even": 100, "layer_odd": 90, "embed": 250, "lm_head": 250}, n_layers=80, align=1)
     assert big.numel == 250 and big.span("embed") == (0, 250)
     assert big.overlaps("layer_even") == ("embed", "lm_head")
     # a slot of no gradients (frozen units) takes no memory and overlaps nothing
-    grads = outer_arena({"layer_even": 100, "layer_odd": 100, "embed": 0, "lm_head": 60}, n_layers=4)
+    grads = outer_arena({"layer_even": 100, "layer_odd": 100, "embed": 0, "lm_head": 60}, n_layers=4, align=1)
     assert grads.overlaps("embed") == () and "embed" not in grads.overlaps("lm_head")
     assert big.draw(10).splitlines()[1] == "layer_odd   |....####..|"
+    # every slot starts where a buffer of its own would be aligned: 16 elements by default
+    sizes = {"layer_even": 100, "layer_odd": 100, "embed": 250, "lm_head": 60}
+    aligned = outer_arena(sizes, n_layers=5)
+    assert all(lo % 16 == 0 for lo, _ in map(aligned.span, sizes)) and aligned.numel == 256
+    assert aligned.span("layer_odd") == (112, 212) and aligned.span("lm_head") == (192, 252)
 
 
 def test_share_outer_slot_refuses_tied_embeddings_and_no_reshard():

@@ -356,6 +356,17 @@ def _reads(rank: int, world: int, n: int, vocab: int, share: bool) -> dict:
     with torch.no_grad():
         sm(input_ids=ids)
     read("after evaluation")
+    # a forward that raised in the last layer's MLP left that layer's views on its modules; the
+    # embedding's next gather (called ahead of a forward) writes over their memory
+    hook = sm.model.layers[n - 1].mlp.register_forward_pre_hook(lambda *a: 1 / 0)
+    try:
+        sm(input_ids=ids)
+    except ZeroDivisionError:
+        pass
+    hook.remove()
+    with torch.no_grad():
+        sm.get_input_embeddings()(ids)
+    read("after a raised forward")
     return seen
 
 

@@ -66,10 +66,15 @@ class Gathers:
                 "(ShardConfig.share_outer_slot=True), are still being read; yashard runs the embedding, the "
                 "layers and the lm_head one after another, in the model's order: call the model as a whole, or "
                 "use share_outer_slot=False")
-        for s in (slot, *slot.overlaps):  # (a shared buffer: every slot this gather writes over)
-            prev = s.owner
-            if prev is not None and prev is not unit and prev.gathered is not None and not prev.gathered.done:
+        prevs = [s.owner for s in (slot, *slot.overlaps)  # (a shared buffer: every slot this gather writes over)
+                 if s.owner is not None and s.owner is not unit]
+        for prev in prevs:
+            if prev.gathered is not None and not prev.gathered.done:
                 prev.gathered.wait()  # an unused prefetch still writing into the slot (CPU: gloo thread)
+            if prev.views_until is not None:
+                # views a pass that raised left on the modules would show this unit's weights under
+                # the previous owner's names: off, so a read raises instead (their pass puts them back)
+                prev.remove_views()
         comm = self.comm
         on_done = None
         training = torch.is_grad_enabled() and not self.state.in_backward  # (a training forward's gather)

@@ -80,7 +80,7 @@ class Arena:
         return "\n".join(lines)
 
 
-def outer_arena(sizes: dict[str, int], n_layers: int) -> Arena:
+def outer_arena(sizes: dict[str, int], n_layers: int, align: int = 16) -> Arena:
     """Where the slots go in the one buffer they share (``ShardConfig.share_outer_slot``), for the
     weights or, with the gradient sizes, for the gradients.
 
@@ -95,15 +95,18 @@ def outer_arena(sizes: dict[str, int], n_layers: int) -> Arena:
       computes, and in the backward layer ``L-1``'s re-gather and gradients come right after the
       lm_head's, before ``L-2``'s.
 
-    A slot of size 0 (no unit trains in it: gradients) takes no memory."""
+    A slot of size 0 (no unit trains in it: gradients) takes no memory. Every slot starts at a
+    multiple of ``align`` elements, as a buffer of its own would be aligned (kernels pick their
+    code by the pointer's alignment)."""
     even, odd = sizes.get("layer_even", 0), sizes.get("layer_odd", 0)
     embed, head = sizes.get("embed", 0), sizes.get("lm_head", 0)
-    numel = max(even + odd, embed, head)
-    offsets = {"layer_even": 0, "layer_odd": even}
+    odd_at = round_up(even, align)
+    numel = round_up(max(odd_at + odd, embed, head), align)
+    offsets = {"layer_even": 0, "layer_odd": odd_at}
     if "embed" in sizes:
-        offsets["embed"] = numel - embed
+        offsets["embed"] = (numel - embed) // align * align
     if "lm_head" in sizes:
-        offsets["lm_head"] = 0 if (n_layers - 2) % 2 == 0 else numel - head
+        offsets["lm_head"] = 0 if (n_layers - 2) % 2 == 0 else (numel - head) // align * align
     return Arena(numel, offsets, {k: sizes.get(k, 0) for k in offsets})
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import ShardConfig
+from .layout import outer_arena
 from .quant import qwz_workspace_nbytes
 
 
@@ -113,8 +114,9 @@ def _shared_outer_row(outer: list[SlotSize], layers: list[SlotSize], p: int, gs_
     """``ShardConfig.share_outer_slot``: the embedding's and the lm_head's slots lie in the layer
     slots' buffer, which grows only by what the larger of them exceeds both layer slots by."""
     s = max(o.numel for o in outer)
-    e = max(0, s - sum(x.numel for x in layers))
-    ge = max(0, max(o.grad_numel for o in outer) - sum(x.grad_numel for x in layers))
+    # (the buffer as build lays it out: aligned slots, so a few elements may pad it)
+    e = outer_arena({x.name: x.numel for x in layers + outer}, 0).numel - sum(x.numel for x in layers)
+    ge = outer_arena({x.name: x.grad_numel for x in layers + outer}, 0).numel - sum(x.grad_numel for x in layers)
     names = " and ".join(o.name for o in outer)
     grads = f"E*({p}+{gs_bytes})" if ge == e else f"E*{p} + E'*{gs_bytes} (E'={ge}: gradients)"
     return MemoryRow("slot " + "+".join(o.name for o in outer), e, e * p + ge * gs_bytes,

@@ -305,9 +305,11 @@ def _local_weight_gathers(model) -> None:
     comm.all_gather = all_gather
 
 
-def setup_yashard(args, device, shape, *, noop: bool = False, reshard: bool = True, nocomm: bool = False) -> Engine:
+def setup_yashard(args, device, shape, *, noop: bool = False, reshard: bool = True, nocomm: bool = False,
+                  share_outer: bool = False) -> Engine:
     cfg = yashard.ShardConfig(param_dtype=DTYPES[args.dtype], reduce_dtype=torch.float32,
-                              reshard_after_forward=reshard, on_nonfinite="ignore" if nocomm else "raise")
+                              reshard_after_forward=reshard, on_nonfinite="ignore" if nocomm else "raise",
+                              share_outer_slot=share_outer)
     model = yashard.shard(build_model(shape, args.seed), config=cfg)
     noop = noop or nocomm
     if noop:
@@ -320,7 +322,8 @@ def setup_yashard(args, device, shape, *, noop: bool = False, reshard: bool = Tr
         model(input_ids=ids, labels=ids).loss.backward()
         opt.zero_grad(set_to_none=True)
         _local_weight_gathers(model)
-    name = "yashard-nocomm" if nocomm else "yashard-noop" if noop else "yashard" if reshard else "yashard-noreshard"
+    name = ("yashard-nocomm" if nocomm else "yashard-noop" if noop else "yashard-shared" if share_outer
+            else "yashard" if reshard else "yashard-noreshard")
     eng = _torch_engine(name, f"{args.dtype} compute, fp32 master + reduce", model, opt,
                         lambda: model.clip_grad_norm_(CLIP), args.accum,
                         no_sync=contextlib.nullcontext if reshard else model.no_sync)

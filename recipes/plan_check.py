@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_engines as be  # noqa: E402
 
 MODELS = {"small": 4, "wide": 1}  # the benchmark's models, at their matrix micro-batch (4x1, 1x1)
-ENGINES = ("yashard", "fsdp2", "deepspeed")
+ENGINES = ("yashard", "yashard-shared", "fsdp2", "deepspeed")  # (yashard-shared: share_outer_slot=True)
 MiB = 2**20
 
 
@@ -104,9 +104,10 @@ def worker(args) -> None:
     vocab = be.COMMON["vocab_size"]
     _prime(shape, args.dtype, args.micro_batch, vocab, args.engine)
     base = mem.now()
-    eng = getattr(be, f"setup_{args.engine}")(
-        SimpleNamespace(dtype=args.dtype, seed=0, micro_batch=args.micro_batch, accum=1, optimizer="adamw-fused"),
-        torch.device("cpu"), shape)
+    setup, kw = ((be.setup_yashard, {"share_outer": True}) if args.engine == "yashard-shared" else
+                 (getattr(be, f"setup_{args.engine}"), {}))
+    eng = setup(SimpleNamespace(dtype=args.dtype, seed=0, micro_batch=args.micro_batch, accum=1, optimizer="adamw-fused"),
+                torch.device("cpu"), shape, **kw)
     built = mem.now() - base
     steps = []
     for step in range(args.steps):
@@ -173,9 +174,9 @@ def estimate(engine: str, model: str, dtype: str, micro_batch: int) -> dict:
     cfg = LlamaConfig(**be.COMMON, **fields, max_position_embeddings=seq)
     shape, p = shape_of(cfg), 4 if dtype == "fp32" else 2
     acts = activations(shape, seq=seq, micro_batch=micro_batch, param_bytes=p)
-    if engine == "yashard":
-        plan = yashard.plan(cfg, world_size=2, config=yashard.ShardConfig(param_dtype=be.DTYPES[dtype]),
-                            backend="gloo")
+    if engine in ("yashard", "yashard-shared"):
+        plan = yashard.plan(cfg, world_size=2, backend="gloo", config=yashard.ShardConfig(
+            param_dtype=be.DTYPES[dtype], share_outer_slot=engine == "yashard-shared"))
         return dict(forward=acts.forward_end, peak=yashard_peak(plan.total_bytes + plan.adamw_bytes, shape, acts))
     if engine == "deepspeed":  # communication_data_type fp32, as bench_engines configures it
         return dict(forward=deepspeed_forward_end(shape, acts, param_bytes=p),

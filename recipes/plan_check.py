@@ -106,21 +106,24 @@ def worker(args) -> None:
     base = mem.now()
     setup, kw = ((be.setup_yashard, {"share_outer": True}) if args.engine == "yashard-shared" else
                  (getattr(be, f"setup_{args.engine}"), {}))
-    eng = setup(SimpleNamespace(dtype=args.dtype, seed=0, micro_batch=args.micro_batch, accum=1, optimizer="adamw-fused"),
-                torch.device("cpu"), shape, **kw)
+    eng = setup(SimpleNamespace(dtype=args.dtype, seed=0, micro_batch=args.micro_batch, accum=args.accum,
+                                optimizer="adamw-fused"), torch.device("cpu"), shape, **kw)
     built = mem.now() - base
     steps = []
     for step in range(args.steps):
-        ids = be.global_batch(step, args.micro_batch * dist.get_world_size(), shape["seq"], vocab)
-        ids = ids.chunk(dist.get_world_size())[rank]
-        start = mem.now()
-        mem.reset_peak()
-        out = eng.model(input_ids=ids, labels=ids)
-        fwd_end, fwd_peak = mem.current(), mem.peak()
-        mem.reset_peak()
-        backward(eng, out.loss)
-        del out
-        bwd_end, bwd_peak = mem.current(), mem.peak()
+        fwd_peak = bwd_peak = 0
+        for micro in range(args.accum):  # (every engine reduces every micro-batch; the last one's figures)
+            ids = be.global_batch(step * args.accum + micro, args.micro_batch * dist.get_world_size(), shape["seq"],
+                                  vocab)
+            ids = ids.chunk(dist.get_world_size())[rank]
+            start = mem.now()
+            mem.reset_peak()
+            out = eng.model(input_ids=ids, labels=ids)
+            fwd_end, fwd_peak = mem.current(), max(fwd_peak, mem.peak())
+            mem.reset_peak()
+            backward(eng, out.loss if eng.name == "deepspeed" else out.loss / args.accum)  # (DeepSpeed divides)
+            del out
+            bwd_end, bwd_peak = mem.current(), max(bwd_peak, mem.peak())
         mem.reset_peak()
         finish(eng)
         opt_end, opt_peak = mem.current(), mem.peak()
@@ -130,6 +133,7 @@ def worker(args) -> None:
     if rank == 0 and args.json:
         with open(args.json, "w") as f:
             json.dump(dict(engine=args.engine, model=args.model, dtype=args.dtype, micro_batch=args.micro_batch,
+                           accum=args.accum,
                            seq=shape["seq"], steps=t.tolist()), f)
     dist.barrier()
     dist.destroy_process_group()
@@ -140,7 +144,7 @@ def worker(args) -> None:
 COLUMNS = ("start", "fwd_end", "fwd_peak", "bwd_end", "bwd_peak", "opt_end", "opt_peak")
 
 
-def run_worker(engine: str, model: str, dtype: str, micro_batch: int, steps: int) -> dict:
+def run_worker(engine: str, model: str, dtype: str, micro_batch: int, steps: int, accum: int = 1) -> dict:
     """Launch one worker under torchrun (2 ranks, one thread each) and return its JSON."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.json")
@@ -148,6 +152,7 @@ def run_worker(engine: str, model: str, dtype: str, micro_batch: int, steps: int
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                str(29500 + os.getpid() % 1000), os.path.abspath(__file__), "--worker", "--engine", engine,
                "--model", model, "--dtype", dtype, "--micro-batch", str(micro_batch), "--steps", str(steps),
+               "--accum", str(accum),
                "--json", out]
         subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
         with open(out) as f:
@@ -162,7 +167,7 @@ def measured(res: dict) -> dict:
                 peak=max(cols["fwd_peak"], cols["bwd_peak"], cols["opt_peak"]), **cols)
 
 
-def estimate(engine: str, model: str, dtype: str, micro_batch: int) -> dict:
+def estimate(engine: str, model: str, dtype: str, micro_batch: int, accum: int = 1) -> dict:
     """The planner's figures for one run: the forward-end increment, the peak and where it sits."""
     import yashard
     from transformers import LlamaConfig
@@ -182,7 +187,7 @@ def estimate(engine: str, model: str, dtype: str, micro_batch: int) -> dict:
         return dict(forward=deepspeed_forward_end(shape, acts, param_bytes=p),
                     peak=deepspeed_zero3_peak(shape, acts, world=2, param_bytes=p, reduce_bytes=4, backend="gloo"))
     return dict(forward=fsdp2_forward_end(shape, acts, param_bytes=p),
-                peak=fsdp2_peak(shape, acts, world=2, param_bytes=p, backend="gloo"))
+                peak=fsdp2_peak(shape, acts, world=2, param_bytes=p, backend="gloo", accumulating=accum > 1))
 
 
 def table(rows: list[tuple]) -> str:
@@ -205,6 +210,7 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", choices=sorted(be.DTYPES), default="fp32")
     p.add_argument("--micro-batch", type=int, default=None, help="default: the benchmark matrix's")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--accum", type=int, default=1, help="micro-batches per step, each reduced")
     p.add_argument("--json", default=None)
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--dtypes", default="fp32,bf16")
@@ -219,8 +225,8 @@ def main(argv=None) -> None:
         for dtype in args.dtypes.split(","):
             for engine in args.engines.split(","):
                 micro_batch = args.micro_batch or MODELS[model]
-                m = measured(run_worker(engine, model, dtype, micro_batch, args.steps))
-                e = estimate(engine, model, dtype, micro_batch)
+                m = measured(run_worker(engine, model, dtype, micro_batch, args.steps, args.accum))
+                e = estimate(engine, model, dtype, micro_batch, args.accum)
                 rows.append((model, dtype, engine, m, e))
                 print(f"{engine} {model} {dtype}: forward end {m['forward'] / MiB:.1f} MiB (estimated "
                       f"{e['forward'] / MiB:.1f}), peak {m['peak'] / MiB:.1f} MiB (estimated {e['peak'].bytes / MiB:.1f})",

@@ -54,3 +54,28 @@ def test_the_process_exits_2_with_one_line():
     assert out.stderr.strip().splitlines()[-1] == (
         "python -m yashard.plan: error: --checkpoint-layers 1000: the model has 32 decoder layers; use a value "
         "between 0 and 32")
+
+
+def test_gradient_accumulation_gives_fsdp2_its_gradient_shards_from_the_second_micro_batch(capsys):
+    """FSDP2 holds no gradient shard before its first reduction of a step; with accumulation the
+    later micro-batches start with all of them, ``4 N/W`` in fp32 (measured: docs/benchmarks.md,
+    "With gradient accumulation"). The CLI's --grad-accum prints that peak, and N micro-batches of
+    communication and compute."""
+    from yashard.plan.__main__ import main
+    from yashard.plan.activations import activations, shape_of
+    from yashard.plan.peers import fsdp2_peak
+    from yashard.plan.presets import preset_config
+
+    shape = shape_of(preset_config("llama-3-8b"))
+    acts = activations(shape, seq=4096, micro_batch=1, param_bytes=2, checkpoint_layers=32)
+    one, later = (fsdp2_peak(shape, acts, world=8, param_bytes=2, accumulating=a) for a in (False, True))
+    assert one.at == later.at == "loss backward"
+    assert later.bytes - one.bytes == 4 * shape.total_numel // 8
+    assert later.state == one.state  # (held between steps: the shards go with zero_grad)
+    assert main(["--config", "llama-3-8b", "--world", "8", "--checkpoint-layers", "32", "--grad-accum", "4"]) == 0
+    out = capsys.readouterr().out
+    assert f"FSDP2                11.22    {later.bytes / 2**30:.2f}  loss backward" in out
+    assert "4 micro-batches a step: FSDP2's peak is a later micro-batch's" in out
+    assert "communication per rank and step, 4 micro-batches of 4096 tokens" in out
+    with pytest.raises(SystemExit):
+        main(["--config", "llama-3-8b", "--world", "8", "--grad-accum", "0"])

@@ -105,9 +105,12 @@ def largest_micro_batch(peak_of, gpu_memory: int, limit: int = 1 << 16) -> int:
 
 
 def peaks_report(model, result: MemoryPlan, config: ShardConfig, world: int, *, seq: int, micro_batch: int,
-                 checkpoint: int, attention: str, gpu_memory: int | None, backend: str = "nccl") -> str:
+                 checkpoint: int, attention: str, gpu_memory: int | None, backend: str = "nccl",
+                 grad_accum: int = 1) -> str:
     """The activation estimate and the peaks of yashard, FSDP2 and ZeRO-3, with the largest
-    micro-batch that fits ``gpu_memory``. The peers shard over all ``world`` ranks."""
+    micro-batch that fits ``gpu_memory``. The peers shard over all ``world`` ranks. With
+    ``grad_accum`` micro-batches a step, FSDP2's peak is that of the second and later ones, which
+    start with the gradient shards of the earlier ones (yashard's and ZeRO-3's hold theirs anyway)."""
     shape = shape_of(model)
     p = dtype_bytes(config.param_dtype)
     r = dtype_bytes(config.wire_dtype)
@@ -120,7 +123,7 @@ def peaks_report(model, result: MemoryPlan, config: ShardConfig, world: int, *, 
     engines = {
         "yashard": lambda mb: yashard_peak(state, shape, acts_of(mb)),
         "FSDP2": lambda mb: fsdp2_peak(shape, acts_of(mb), world=world, param_bytes=p, reduce_bytes=r,
-                                       backend=backend),
+                                       backend=backend, accumulating=grad_accum > 1),
         "DeepSpeed ZeRO-3": lambda mb: deepspeed_zero3_peak(shape, acts_of(mb), world=world, param_bytes=p,
                                                             reduce_bytes=r, backend=backend),
     }
@@ -142,21 +145,27 @@ def peaks_report(model, result: MemoryPlan, config: ShardConfig, world: int, *, 
         lines.append(line)
     lines.append("  state: held between steps (yashard: plan + AdamW; FSDP2: fp32 shards + AdamW; ZeRO-3: its "
                  "partitions, fp32 masters, gradient partitions, AdamW, persistent parameters and gradient bucket)")
+    lines.append(f"  {grad_accum} micro-batch{'es' if grad_accum > 1 else ''} a step: " + (
+        f"FSDP2's peak is a later micro-batch's, with its fp32 gradient shards ({_gib(4 * shape.total_numel // world)}"
+        " GiB) held from the first" if grad_accum > 1 else
+        "FSDP2 holds no gradient shards before its first reduction (--grad-accum N: more micro-batches)"))
     return "\n".join(lines)
 
 
 def comm_report(model, config: ShardConfig, world: int, *, tokens: int, checkpoint: int, bandwidth: float,
-                node_bandwidth: float, ranks_per_node: int, tflops: float, mfu: float) -> str:
-    """The collectives of one step by kind for ``config``, then the bytes and times of the variants."""
+                node_bandwidth: float, ranks_per_node: int, tflops: float, mfu: float, micro_batches: int = 1) -> str:
+    """The collectives of one step of ``micro_batches`` micro-batches of ``tokens`` tokens by kind
+    for ``config``, then the bytes and times of the variants (every engine reduces every micro-batch)."""
     shape = shape_of(model)
     p, r = dtype_bytes(config.param_dtype), dtype_bytes(config.wire_dtype)
-    compute = step_seconds(shape, tokens=tokens, tflops=tflops, mfu=mfu, checkpoint_layers=checkpoint)
+    compute = step_seconds(shape, tokens=tokens * micro_batches, tflops=tflops, mfu=mfu, checkpoint_layers=checkpoint)
 
     def ours(cfg: ShardConfig, qgz: Qgz | None = None):
         return yashard_collectives(unit_sizes(model, cfg, cfg.shard_group_size or world), world=world, config=cfg,
-                                   qgz=qgz)
+                                   qgz=qgz, micro_batches=micro_batches)
 
-    lines = [f"communication per rank and step, {tokens} tokens (logged: full tensor sizes; sent: ring, "
+    step = f"{tokens} tokens" if micro_batches == 1 else f"{micro_batches} micro-batches of {tokens} tokens"
+    lines = [f"communication per rank and step, {step} (logged: full tensor sizes; sent: ring, "
              "(g-1)/g of it, twice for an all-reduce):",
              f"  {'kind':<15} {'count':>6} {'logged GB':>10} {'sent GB':>9} {'smallest MB':>12} {'largest MB':>11}"]
     for s in summarize(ours(config)):
@@ -176,9 +185,9 @@ def comm_report(model, config: ShardConfig, world: int, *, tokens: int, checkpoi
             hpz = h if h < world and config.reshard_after_forward else None
             variants["qwZ + hpZ + qgZ" if hpz else "qwZ + qgZ"] = ours(
                 replace(config, quantized_weights=8, secondary_group_size=hpz), Qgz(h, 4, 64))
-    variants["FSDP2"] = peer_collectives(shape, world=world, param_bytes=p, reduce_bytes=r)
+    variants["FSDP2"] = peer_collectives(shape, world=world, param_bytes=p, reduce_bytes=r) * micro_batches
     variants["DeepSpeed ZeRO-3"] = peer_collectives(shape, world=world, param_bytes=p, reduce_bytes=r,
-                                                    engine="deepspeed-zero3")
+                                                    engine="deepspeed-zero3") * micro_batches
     bw, nbw = bandwidth, node_bandwidth
     lines.append(f"time at {bw / 1e9:g} GB/s across nodes, {nbw / 1e9:g} GB/s inside ({ranks_per_node} ranks a node), "
                  f"against {compute:.2f} s of compute ({tflops:g} TFLOP/s x {mfu:g}):")
@@ -215,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch, per rank")
     p.add_argument("--checkpoint-layers", type=int, default=0, help="ShardConfig.checkpoint_layers")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (gradient accumulation)")
     p.add_argument("--attention", choices=ATTENTION, default="sdpa", help="the model's attention implementation")
     p.add_argument("--bandwidth", type=_rate, default=parse_bytes("50GB"),
                    help="bytes per second one rank sends across nodes, e.g. 50GB/s")
@@ -224,8 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tflops", type=float, default=400.0, help="peak TFLOP/s of one GPU in the compute dtype")
     p.add_argument("--mfu", type=float, default=0.45, help="the fraction of --tflops a step reaches")
     args = p.parse_args(argv)
-    if min(args.seq_len, args.micro_batch, args.ranks_per_node) < 1 or args.checkpoint_layers < 0:
-        p.error("--seq-len, --micro-batch and --ranks-per-node must be >= 1, --checkpoint-layers >= 0")
+    if min(args.seq_len, args.micro_batch, args.ranks_per_node, args.grad_accum) < 1 or args.checkpoint_layers < 0:
+        p.error("--seq-len, --micro-batch, --grad-accum and --ranks-per-node must be >= 1, --checkpoint-layers >= 0")
     if not (0 < args.mfu <= 1) or args.tflops <= 0:
         p.error("--tflops must be > 0 and --mfu in (0, 1]")
     if args.config not in PRESETS and not os.path.exists(args.config):
@@ -262,10 +272,11 @@ def main(argv: list[str] | None = None) -> int:
         print(hint)
     print(peaks_report(model, result, config, args.world, seq=args.seq_len, micro_batch=args.micro_batch,
                        checkpoint=args.checkpoint_layers, attention=args.attention, gpu_memory=args.gpu_memory,
-                       backend=args.backend))
+                       backend=args.backend, grad_accum=args.grad_accum))
     print(comm_report(model, config, args.world, tokens=args.seq_len * args.micro_batch, checkpoint=args.checkpoint_layers,
                       bandwidth=args.bandwidth, node_bandwidth=args.node_bandwidth or args.bandwidth,
-                      ranks_per_node=args.ranks_per_node, tflops=args.tflops, mfu=args.mfu))
+                      ranks_per_node=args.ranks_per_node, tflops=args.tflops, mfu=args.mfu,
+                      micro_batches=args.grad_accum))
     return 0
 
 

@@ -25,7 +25,10 @@ lm_head). :func:`fsdp2_peak` replays one training step, allocation by allocation
   allocates the output, ``P/W*r``, which becomes the gradient shard, and keeps the input until the
   next group's post-backward (``comm_ctx.reduce_scatter_states``, one buffer by default);
 - over gloo, both collectives stage a temporary the size of the unsharded tensor (measured with
-  ``recipes/plan_check.py``); NCCL does not.
+  ``recipes/plan_check.py``); NCCL does not;
+- with gradient accumulation every micro-batch after the first starts with the gradient shards of
+  the earlier ones, ``4 N/W`` in fp32; each reduction's output is then added into them and freed
+  (``foreach_reduce``: ``sharded_param.grad += ...``) instead of becoming them.
 
 **DeepSpeed ZeRO-3** (0.19.8, stage-3 defaults, a client AdamW): :func:`deepspeed_zero3_peak`
 counts what ``DeepSpeedZeroOptimizer_Stage3`` and its parameter coordinator allocate (the rules are
@@ -68,18 +71,28 @@ class _Timeline:
 
 
 def fsdp2_peak(shape: ModelShape, acts: Activations, *, world: int, param_bytes: int, reduce_bytes: int = 4,
-               backend: str = "nccl") -> Peak:
+               backend: str = "nccl", accumulating: bool = False) -> Peak:
     """FSDP2's peak per rank for one micro-batch (see the module docstring for the rules), with
     fp32 parameters, ``param_bytes`` compute (``MixedPrecisionPolicy.param_dtype``), gradients
     reduced in ``reduce_bytes``, fused AdamW. Parameters are padded to a multiple of ``world``
-    rows, which is left out."""
+    rows, which is left out. ``accumulating``: a micro-batch after the first of a step, which
+    starts with the fp32 gradient shards of the earlier ones."""
     w, p, r = world, param_bytes, reduce_bytes
     gloo = backend == "gloo" and w > 1
     layer = shape.layer_numel
     root = shape.total_numel - shape.layers * layer
     state = 12 * shape.total_numel // w
-    t = _Timeline(state)
+    t = _Timeline(state + (4 * shape.total_numel // w if accumulating else 0))
     staging = (lambda numel, b: numel * b) if gloo else (lambda numel, b: 0)
+
+    def reduce_output(name: str, numel: int, extra: int) -> None:
+        """The reduce-scatter's output: the new gradient shard, or, accumulating, a temporary
+        (cast to fp32 first if reduced in another dtype) added into the shard and freed."""
+        out = numel * r // w + (numel * 4 // w if accumulating and r != 4 else 0)
+        t.add(out)
+        t.mark(name, extra)
+        if accumulating:
+            t.add(-out)
 
     def gather(name: str, numel: int, kept_output: int) -> None:
         t.add(numel * p)                                  # the flat all-gather output
@@ -127,16 +140,15 @@ def fsdp2_peak(shape: ModelShape, acts: Activations, *, world: int, param_bytes:
         t.add(-retained)                                  # the previous reduce-scatter input, freed
         t.add(layer * r)                                  # the reduce-scatter input, copied in
         t.add(-layer * p)                                 # the unsharded gradients, freed
-        t.add(layer * r // w)                             # the output: the gradient shard
-        t.mark(f"layer {k} reduce-scatter", staging(layer, r))
+        reduce_output(f"layer {k} reduce-scatter", layer, staging(layer, r))  # the output: the gradient shard
         retained = layer * r
     # the embedding's gradient, then the root's reduction at the end of the backward
     t.add(shape.embed_numel * p + (root - shape.embed_numel - shape.lm_head_numel) * p)
     t.mark("embedding backward", acts.io)
     t.add(-root * p)                                      # the root reshards
     t.add(-retained + root * r)
-    t.add(-root * p + root * r // w)
-    t.mark("root reduce-scatter", staging(root, r))
+    t.add(-root * p)
+    reduce_output("root reduce-scatter", root, staging(root, r))
     return Peak("fsdp2", tuple(t.moments), state)
 
 

@@ -148,6 +148,8 @@ def test_the_command_line_prints_the_plan_of_a_preset_marked_fixed_or_1_over_w()
     (["--config", "llama-3-8b", "--world", "8", "--gpu-memory", "80XB"], "'80XB' is not a size"),
     (["--config", "llama-3-8b", "--world", "8", "--mfu", "2"], "--mfu in (0, 1]"),
     (["--config", "llama-3-8b", "--world", "8", "--bandwidth", "fast"], "'fast' is not a size"),
+    (["--config", "llama-3-8b", "--world", "8", "--no-reshard", "--share-outer-slot"],
+     "drop --share-outer-slot or --no-reshard"),
 ])
 def test_the_command_line_names_a_bad_argument(args, message, capsys):
     from yashard.plan.__main__ import main

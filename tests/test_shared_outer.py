@@ -164,3 +164,29 @@ def test_peft_lora_with_the_shared_outer_slot_trains_bitwise_as_with_its_own():
         assert torch.equal(shared["logits"], own["logits"])
         assert all(torch.equal(shared["params"][k], v) for k, v in own["params"].items())
         assert shared["plan"] == shared["allocated"] < own["plan"]
+
+
+def _without_the_prefetch_rule(rank, world):
+    """A schedule that prefetched over weights compute still reads (the rule off) is stopped by the
+    gather itself, loudly, before any rank writes: never a silently wrong result."""
+    from yashard.errors import OrderError
+    from yashard.gathers import Gathers
+
+    def prefetch(self, unit):
+        if unit is not None and (unit.slot.owner is not unit or unit.gathered is None):
+            self.gather(unit)
+
+    Gathers.prefetch = prefetch
+    sm = yashard.shard(build(**BIG_VOCAB), config=yashard.ShardConfig(share_outer_slot=True))
+    ids = torch.randint(0, 640, (2, 8), generator=torch.Generator().manual_seed(0))
+    try:
+        sm(input_ids=ids, labels=ids)
+    except OrderError as e:
+        return str(e)
+    return None
+
+
+def test_a_gather_over_weights_still_read_raises():
+    for message in run_distributed(_without_the_prefetch_rule, 2):
+        assert message is not None and "needs its weights while embed's, which share its buffer" in message
+        assert "share_outer_slot=False" in message

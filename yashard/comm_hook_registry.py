@@ -140,7 +140,8 @@ class CommHookRegistry:
         gradient slots (:func:`yashard.build.compact_grads`): before the first forward, the slots get
         the ``reduce_dtype`` gradient buffers a comm hook reads."""
         self.state.direct_grads = False
-        for shared in {id(s.shared): s.shared for s in self.slots.values() if s.shared is not None}.values():
+        shared = next((s.shared for s in self.slots.values() if s.shared is not None), None)  # (one, or none)
+        if shared is not None:
             shared.grads = torch.zeros(shared.grad_arena.numel, dtype=self.config.wire_dtype, device=self.device)
             self.streams.share_with_comm([shared.grads])
         for name, slot in self.slots.items():

@@ -71,10 +71,6 @@ class Gathers:
         for prev in prevs:
             if prev.gathered is not None and not prev.gathered.done:
                 prev.gathered.wait()  # an unused prefetch still writing into the slot (CPU: gloo thread)
-            if prev.views_until is not None:
-                # views a pass that raised left on the modules would show this unit's weights under
-                # the previous owner's names: off, so a read raises instead (their pass puts them back)
-                prev.remove_views()
         comm = self.comm
         on_done = None
         training = torch.is_grad_enabled() and not self.state.in_backward  # (a training forward's gather)
@@ -151,9 +147,12 @@ class Gathers:
 
     @staticmethod
     def settle(slots) -> None:
-        """A forward or a backward starts: no compute reads a slot yet (a pass that raised left its
-        marks)."""
+        """A forward or a backward starts: no compute reads a slot yet. A pass that raised left its
+        marks, and the views its unit installed: those come off (a slot others write into next would
+        show their weights under its names; a read raises instead, and its next pass puts them back)."""
         for s in slots:
+            if s.reading and s.owner is not None and s.owner.views_until is not None:
+                s.owner.remove_views()
             s.reading = False
 
     @staticmethod

@@ -54,6 +54,8 @@ class BackwardSchedule:
         self.sums = sums
         self.drain = drain  # wait for every gather and reduction in flight (the runtime's)
         self.norm_group: NormGroup | None = None  # (built on this schedule's on_unit_grads_complete)
+        # ShardConfig.step_in_backward (the reducer's step_unit steps each unit: set by the runtime)
+        self.steps_in_backward = False
 
     def begin_backward(self) -> None:
         """First hook of a backward: attach grad storage and queue the end-of-backward callback."""
@@ -68,6 +70,9 @@ class BackwardSchedule:
                 "into one graph. Run backward() without it; the forward can still be compiled "
                 "(layer.compile() or torch.compile(model))"
             )
+        if self.steps_in_backward and any(will_accumulate(u.token) for u in self.units.units
+                                          if u.fwd_trains and u.fwd_id == state.grad_fwd_id):
+            self._check_step_in_backward()  # (before anything moves: a refused backward leaves no state)
         state.in_backward = True
         Gathers.settle(self.slots.values())
         self.reducer.bucket_index = 0
@@ -108,6 +113,42 @@ class BackwardSchedule:
             for u in self.units.units:
                 u.drop_unreduced_if_zeroed()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _check_step_in_backward(self) -> None:
+        """``ShardConfig.step_in_backward``: refuse a backward whose steps would be wrong. Raised at
+        the backward's first hook, before any state moves or any unit has stepped; then mark the step
+        pending (the optimizer-step post-hook clears it)."""
+        state = self.state
+        if self.reducer.step_unit is None:
+            raise RuntimeError(
+                "a backward of a model sharded with ShardConfig(step_in_backward=True), but no optimizer steps it: each "
+                "unit's gradient lives only until its optimizer step, in backward, so it would be lost. Build the "
+                "optimizer with opt = model.optimizer_in_backward(torch.optim.AdamW, lr=...) before the first backward"
+            )
+        if state.step_pending:
+            raise RuntimeError(
+                "a second backward before opt.step() with ShardConfig(step_in_backward=True): gradient accumulation "
+                "above 1 needs the summed gradients of every micro-batch, but each backward already stepped every "
+                "unit on its own gradients (none are kept). Call opt.step() after every backward (it runs the step "
+                "checks), or use the ordinary step (drop step_in_backward) to accumulate"
+            )
+        for u in self.units.units:
+            if not u.trains or not u.master.requires_grad:
+                continue
+            if will_accumulate(u.master):
+                raise RuntimeError(
+                    f"the loss reads the master shard {u.name} itself (a penalty on model.parameters()?) with "
+                    "ShardConfig(step_in_backward=True): that gradient reaches .grad at a moment autograd picks, after "
+                    "or before the unit's step, so it would be lost or stepped twice. Compute such terms from the "
+                    "module weights in the forward, or drop step_in_backward"
+                )
+            if u.master.grad is not None:
+                raise RuntimeError(
+                    f"the master shard {u.name} has a .grad with ShardConfig(step_in_backward=True): no gradient is "
+                    "kept in this mode (each unit steps on its reduced gradient in backward), so one set by hand would "
+                    "be ignored; set it to None"
+                )
+        state.step_pending = True
 
     def _count_forward_sums(self) -> None:
         """A backward of forward ``grad_fwd_id`` starts: its forward-output sums now count for the
@@ -281,6 +322,10 @@ class BackwardSchedule:
                 slot.grad_owner = None
             state.in_backward = False
             state.backward_pending = False
+            if state.step_pending:  # (step_in_backward: the units that stepped before it raised stay stepped)
+                logger.warning("yashard: with step_in_backward the units whose reduction finished before the backward "
+                               "raised were stepped; the others were not (restore a checkpoint for a clean state)")
+                state.step_pending = False
 
 
 def _in_compiled_autograd() -> bool:

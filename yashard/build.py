@@ -35,8 +35,9 @@ PARAM_ALIGN = 16
 def direct_grads(direct: bool, dp_world: int, config: ShardConfig) -> bool:
     """Over one data-parallel rank with direct slots and fp32 reductions, reducing a unit's gradients
     is adding them to its master gradient: ``Narrow`` writes them there in place (no gradient slot,
-    no copy, no reduction). A registered comm hook turns this off (it reduces from the slots: comm_hook_registry)."""
-    return direct and dp_world == 1 and config.wire_dtype == torch.float32
+    no copy, no reduction). A registered comm hook turns this off (it reduces from the slots: comm_hook_registry),
+    and so does ``step_in_backward``: the slots' gradient buffers are then the workspace the step reads."""
+    return direct and dp_world == 1 and config.wire_dtype == torch.float32 and not config.step_in_backward
 
 
 def compact_grads(config: ShardConfig, shard_world: int, direct: bool) -> bool:
@@ -207,6 +208,7 @@ def make_units(groups: dict[str, list], layouts: dict[str, FlatLayout], slots: d
             locations=[locs for _, locs, _ in members],
             fqns=[fqns for _, _, fqns in members],
             slot=slot, master=master, trainable=[p.requires_grad for p, _, _ in members],
+            keep_grads=not config.step_in_backward,
         )
         unit.name_in_traces({"small": "norm group", "adapters": "adapter group"}.get(key) or module_name(spec, unit))
         # Over a one-rank shard group the views read the unit's own shard in place (direct slots):

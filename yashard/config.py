@@ -73,6 +73,13 @@ class ShardConfig:
             that the default overlaps (the first layer's and the lm_head's gathers, the last
             layer's backward re-gather, the first layer's reduction before the embedding's). Needs
             ``reshard_after_forward=True`` and an lm_head that is not tied to the embedding.
+        step_in_backward: ``True``: each unit's optimizer step runs as soon as its reduced
+            gradient shard is ready, in backward, straight from the reduce-scatter output
+            (``model.optimizer_in_backward``). No fp32 gradient shards are held: ``T/W * 4`` bytes
+            less. Refuses what needs whole gradients after the backward: ``clip_grad_norm_``,
+            gradient accumulation (``no_sync``, a second backward before ``opt.step()``),
+            :class:`yashard.ShardedGradScaler`, comm hooks, ``full_grads``. Needs an fp32
+            ``reduce_dtype`` and ``on_nonfinite`` ``"raise"`` or ``"ignore"``.
         on_nonfinite: what a NaN/inf in the gradients (as the optimizer would step on them; where
             ``clip_grad_norm_`` ran, read off its per-layer norms, so a norm that overflows counts
             too) or in a layer's forward output does at the next optimizer step: ``"raise"``
@@ -109,6 +116,7 @@ class ShardConfig:
     quant_block: int = 4096
     reshard_after_forward: bool = True
     share_outer_slot: bool = False
+    step_in_backward: bool = False
     on_nonfinite: str = "raise"
     debug_collectives: bool = False
     collective_timeout: float | None = 600.0
@@ -170,6 +178,21 @@ class ShardConfig:
             )
         if self.on_nonfinite not in ("raise", "skip", "ignore"):
             raise ValueError(f"ShardConfig.on_nonfinite={self.on_nonfinite!r}; use 'raise', 'skip' or 'ignore'")
+        if not isinstance(self.step_in_backward, bool):
+            raise TypeError(f"ShardConfig.step_in_backward must be a bool, got {type(self.step_in_backward).__name__}")
+        if self.step_in_backward and self.wire_dtype != torch.float32:
+            raise ValueError(
+                f"ShardConfig(step_in_backward=True, reduce_dtype={dtype_name(self.reduce_dtype)}): the optimizer steps "
+                "straight from the reduce-scatter output, which must be fp32 like the master shards it steps; "
+                "use reduce_dtype=torch.float32 (the default) or drop step_in_backward"
+            )
+        if self.step_in_backward and self.on_nonfinite == "skip":
+            raise ValueError(
+                "ShardConfig(step_in_backward=True, on_nonfinite='skip'): each unit steps during the backward, before "
+                "any rank can know whether another unit's gradients hold a NaN/inf, so the step cannot be skipped; "
+                "use on_nonfinite='raise' (the default: the backward's step raises after the fact) or 'ignore', or "
+                "drop step_in_backward"
+            )
         if not isinstance(self.debug_collectives, bool):
             raise TypeError(f"ShardConfig.debug_collectives must be a bool, got {type(self.debug_collectives).__name__}")
         t = self.collective_timeout

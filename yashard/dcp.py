@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 from .layout import flat_range_boxes, shard_pieces
 from .saved_state import optimizer_units, persistent_buffers
+from .step_in_backward import inner_optimizer
 
 
 class ShardedParameter(torch.Tensor):
@@ -183,7 +184,7 @@ def _init_state(rt, optimizer, units: list) -> None:
     may still have applied weight decay) and every new state tensor is zeroed, ``step`` included: the
     state a fresh optimizer's first step would start from (SGD with ``dampening`` aside). Masters of
     parameters all frozen at ``shard()`` get none, as with torch's own helpers."""
-    fresh = [u for u in units if not optimizer.state.get(u.master) and u.grad_storage is not None]
+    fresh = [u for u in units if not optimizer.state.get(u.master) and u.trains]
     others = [u for u in units if u not in fresh]
     saved = [(u.master.grad, u.grad_unwritten) for u in units]
     weights = [u.master.detach().clone() for u in fresh]
@@ -226,11 +227,12 @@ def sharded_optim_state_dict(rt, optimizer) -> dict:
     first name), each state tensor shaped like the master shard as a :class:`ShardedParameter` over
     it, other state values as they are. Collective when the optimizer has no state yet (it is
     created first: :func:`_init_state`), so call it on every rank."""
+    optimizer = inner_optimizer(optimizer)  # (step_in_backward: the plain optimizer inside, its state)
     groups = optimizer_units(rt, optimizer)
     units = [u for g in groups for u in g]
     # (a master of parameters all frozen at shard() gets no state, as with torch's own helpers; one
     # only turned off for now does, so that a load into it is not silently dropped)
-    if any(not optimizer.state.get(u.master) for u in units if u.grad_storage is not None):
+    if any(not optimizer.state.get(u.master) for u in units if u.trains):
         name = type(optimizer).__name__
         if name in _FRESH_STATE_WRONG or (name == "SGD" and any(g.get("dampening") for g in optimizer.param_groups)):
             raise ValueError(
@@ -287,6 +289,7 @@ def load_sharded_optim_state_dict(rt, optimizer, state_dict: dict) -> None:
     optimizer, and set each param group's hyperparameters to those of the saved group that holds its
     parameters. The saved groups must hold the same parameters as this optimizer's (DCP itself
     refuses a checkpoint with fewer groups: "Missing key ... param_groups.<i>...")."""
+    optimizer = inner_optimizer(optimizer)  # (step_in_backward: the plain optimizer inside, its state)
     groups = optimizer_units(rt, optimizer)
     saved = state_dict.get("param_groups")
     if not isinstance(saved, list) or not isinstance(state_dict.get("state"), dict):

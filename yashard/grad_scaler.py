@@ -47,6 +47,12 @@ class ShardedGradScaler(torch.amp.GradScaler):
                  backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True,
                  min_scale: float | None = 1.0):
         rt = runtime_of(model, "ShardedGradScaler")
+        if enabled:
+            rt.refuse_in_step_in_backward(
+                "ShardedGradScaler", "the scaler unscales the gradients and skips the step if any rank saw an inf, "
+                "after the backward, but each unit already stepped in backward on its scaled gradients",
+                "compute in bf16 (param_dtype=torch.bfloat16 needs no loss scaling), or use the ordinary step (drop "
+                "step_in_backward) for fp16")
         if min_scale is not None and not 0 < min_scale <= init_scale:
             raise ValueError(f"ShardedGradScaler: min_scale={min_scale} must be > 0 and at most init_scale={init_scale} "
                              "(or None, for no lower bound)")

@@ -342,9 +342,13 @@ def check_optimizer_kind(optimizer) -> None:
 
 
 def _before_step(optimizer, args, kwargs):
+    if getattr(optimizer, "_yashard_stepping_unit", False):  # (step_in_backward: one unit's step, in backward)
+        return None
     runtimes = _runtimes(optimizer, check=True)
     if runtimes:
         check_optimizer_kind(optimizer)
+    for rt in runtimes:
+        check_step_in_backward(rt, optimizer)
     for rt in runtimes:
         rt.check_grads_reduced(f"{type(optimizer).__name__}.step()")
         rt.check_no_new_parameters()
@@ -386,7 +390,24 @@ def check_loss_scaling(rt, optimizer) -> None:
                 "yashard.ShardedGradScaler(model)%s", " and ".join(fp16), f", or {' with '.join(way_out)}" if way_out else "")
 
 
+def check_step_in_backward(rt, optimizer) -> None:
+    """With ``ShardConfig.step_in_backward`` only the model's ``OptimizerInBackward`` steps between
+    backwards: another optimizer over the masters would find no gradient (the step already ran)."""
+    if not rt.config.step_in_backward or optimizer is rt.step_optimizer or rt.creating_optimizer_state:
+        return
+    raise RuntimeError(
+        f"{type(optimizer).__name__}.step() over the master shards of a model sharded with "
+        "ShardConfig(step_in_backward=True): every unit already stepped in backward, through the optimizer "
+        "model.optimizer_in_backward returned, and no gradient is kept, so this step would do nothing (or only weight "
+        "decay). Step with the optimizer model.optimizer_in_backward(...) returned (its step() runs the checks)"
+        + ("; this one is an older optimizer_in_backward, replaced by a later call"
+           if getattr(optimizer, "_yashard_steps_in_backward", False) else "")
+    )
+
+
 def _after_step(optimizer, args, kwargs):
+    if getattr(optimizer, "_yashard_stepping_unit", False):
+        return
     for rt in _runtimes(optimizer, check=False):
         rt.after_optimizer_step()
 
@@ -455,7 +476,7 @@ def _unpack_bits(words: torch.Tensor, count: int) -> torch.Tensor:
 def _trainable_entries(rt) -> list:
     """``(unit, entry index, HF name)`` of every parameter that trains (fixed at ``shard()``)."""
     if rt.trainable_entries is None:
-        rt.trainable_entries = [(u, i, fqns[0]) for u in rt.units if u.grad_storage is not None
+        rt.trainable_entries = [(u, i, fqns[0]) for u in rt.units if u.trains
                                 for i, (ok, fqns) in enumerate(zip(u.trainable, u.fqns)) if ok]
     return rt.trainable_entries
 

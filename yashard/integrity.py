@@ -84,7 +84,7 @@ def check_masters(units: list[Unit]) -> None:
     hooks registered on one (the reduction writes ``.grad`` itself, so autograd never calls them)."""
     for u in units:
         m = u.master
-        if m.requires_grad and u.grad_storage is None:
+        if m.requires_grad and not u.trains:
             names = some_names([f[0] for f in u.fqns])
             raise ValueError(
                 f"the master shard {u.name} was set to require gradients, but its parameters ({names}) were all "
@@ -134,6 +134,12 @@ class NewParameterCheck:
 def check_no_sync(config: ShardConfig, state: PassState) -> None:
     """Refuse ``no_sync()`` where unreduced gradients cannot be held exactly. Over one rank
     (:func:`yashard.build.direct_grads`) they accumulate in ``master.grad`` itself: nothing to refuse."""
+    if config.step_in_backward:
+        raise RuntimeError(
+            "no_sync() with ShardConfig(step_in_backward=True): gradient accumulation needs the gradients of every "
+            "micro-batch summed before the step, but each backward steps every unit on its own gradients (none are "
+            "kept); train with one backward per step, or use the ordinary step (drop step_in_backward)"
+        )
     if state.direct_grads:
         return
     if config.reshard_after_forward:
@@ -176,7 +182,7 @@ def set_requires_grad(units: list[Unit], requires_grad: bool) -> None:
     """``requires_grad_`` of the whole sharded model: every master shard off, or back to what
     ``shard()`` decided (a shard whose parameters were all frozen then stays off)."""
     for u in units:
-        u.master.requires_grad_(requires_grad and u.grad_storage is not None)
+        u.master.requires_grad_(requires_grad and u.trains)
 
 
 def refuse_freezing_after_shard(model: nn.Module, units_of: Callable[[], list[Unit] | None]) -> None:

@@ -159,10 +159,14 @@ def plan_memory(inp: MemoryInputs) -> MemoryPlan:
         rows.append(MemoryRow("qwZ codes", b, b, f"W * (max S/W * {cfg.quantized_weights}/8 + 4 per "
                                                  f"{cfg.quant_block}-block, 16-aligned), shared by the slots"))
     m = max(slot.grad_numel for slot in inp.slots) // w
+    # ShardConfig.step_in_backward: each unit's optimizer step reads the reduce-scatter output (over
+    # a one-rank shard group, its slot's gradient buffer): that is the bounded gradient workspace
+    step_bwd = cfg.step_in_backward
     out = w > 1 or inp.reduce_out  # (one rank: only once a comm hook asked for it)
     big = "G" if frozen_slots else "S"
     if out:
-        rows.append(MemoryRow("reduce-scatter out", m, m * g, f"max {big}/W={m} * {g}, shared by the slots"))
+        rows.append(MemoryRow("reduce-scatter out", m, m * g, f"max {big}/W={m} * {g}, shared by the slots"
+                              + ("; the optimizer steps from it (step_in_backward)" if step_bwd else "")))
     if compact:
         c = inp.staging_numel
         rows.append(MemoryRow("reduce-scatter staging", c, c * g,
@@ -180,7 +184,9 @@ def plan_memory(inp: MemoryInputs) -> MemoryPlan:
                               f"Z/W={nz} * {p} (units whose parameters are all frozen, kept in param_dtype)"))
     else:
         rows.append(MemoryRow("fp32 master shards", n, 4 * n, f"N/W={n} * 4"))
-    if nt == n:
+    if step_bwd:  # no gradient shards: the workspace the step reads is the rows above
+        pass
+    elif nt == n:
         rows.append(MemoryRow("fp32 grad shards", n, 4 * n, f"N/W={n} * 4"))
     else:  # units whose parameters were all frozen at shard() have none
         rows.append(MemoryRow("fp32 grad shards", nt, 4 * nt, f"T/W={nt} * 4 (units with a trainable parameter)"))
@@ -206,7 +212,10 @@ def plan_memory(inp: MemoryInputs) -> MemoryPlan:
     masters = f"N/W*(4{cast})" if cast else "N/W*4"
     if nz:
         masters = (f"(N-Z)/W*(4{cast})" if cast else "(N-Z)/W*4") + f" + Z/W*{p}"
-    shards = f"N/W*(8{cast})" if nt == n else f"{masters} + T/W*4" + (" + F*4" if nf else "")
+    if step_bwd:  # (no gradient shards: the step reads the reduce-scatter output)
+        shards = masters + (" + F*4" if nf else "")
+    else:
+        shards = f"N/W*(8{cast})" if nt == n else f"{masters} + T/W*4" + (" + F*4" if nf else "")
     if inp.direct_grads:
         slots = "no slot buffers (one rank: the views read the shards, gradients are added to the grad shards)"
     elif frozen_slots:
@@ -214,7 +223,8 @@ def plan_memory(inp: MemoryInputs) -> MemoryPlan:
     else:
         slots = f"sum over slots S*({g if inp.direct else f'{p}+{gs_bytes}'})"
     formula = (
-        slots + f"{f' + max {big}/W*{g}' if out else ''}{f' + W*C*{g}' if compact else ''} + {shards}"
+        ("step in backward: " if step_bwd else "")
+        + slots + f"{f' + max {big}/W*{g}' if out else ''}{f' + W*C*{g}' if compact else ''} + {shards}"
         + extra + (" + qwZ codes" if cfg.quantized_weights else "") + (" + comm hook scratch" if inp.workspaces else "")
     )
     adamw = (f"8 * T/W = 8 * {nt}, two fp32 moments per element of the trained shards" if nt != n else

@@ -28,6 +28,9 @@ class PassState:
     accumulating: bool = True       # this backward accumulates into .grad (not autograd.grad)
     discard_reductions: bool = False  # a failed backward's reductions are waited for and thrown away
     stepped_since_backward: bool = False  # an optimizer step ran since the last backward began
+    # ShardConfig.step_in_backward: a backward stepped the units and opt.step() has not run since
+    # (backward schedule sets it, the runtime's optimizer-step post-hook clears it)
+    step_pending: bool = False
     fwd_cursor: int = 0             # the decoder layer the forward expects next
     bwd_last_layer: int | None = None  # the last decoder layer whose backward started
 

@@ -51,6 +51,9 @@ class Reducer:
         self.hook_planned = False  # the comm hook's workspace_plan was allocated (more is warned about)
         self.bucket_index = 0      # the next bucket's index in this backward
         self.pending: list[Pending] = []
+        # ShardConfig.step_in_backward: steps a unit on its reduced, post-divided gradient shard
+        # (yashard.step_in_backward.OptimizerInBackward.step_unit), in the reduction's follow-up (R7)
+        self.step_unit = None
         self._last: Pending | None = None  # R6: the reduction writing reduce_out
         # One reduce-scatter output for every slot: reductions run one after the other (R6). Over one
         # rank the default hook's sum is the gradient buffer itself: allocated only if a hook asks.
@@ -148,9 +151,18 @@ class Reducer:
                 self.comm.all_reduce(value, unit.name, replicas)
             if self.state.discard_reductions:  # a failed backward's, waited for by the next forward
                 return
+            scale = 1.0 / self.dp_world
+            if self.config.step_in_backward:
+                # R7: step from the output buffer itself, post-divided in place (value * scale, as the
+                # ordinary path's mul gives), before the next reduction writes it (R6 orders that one
+                # after this follow-up). On CUDA this runs on the communication stream.
+                if not master.requires_grad:  # (turned off since its forward: no step, as torch)
+                    return
+                value.mul_(scale)
+                self.step_unit(unit, value)
+                return
             if master.grad is None or not master.requires_grad:  # turned off since its forward: as
                 return               # torch, which accumulates no gradient into such a parameter
-            scale = 1.0 / self.dp_world
             if not unit.grad_unwritten:
                 master.grad.add_(value, alpha=scale)
             elif value.dtype == torch.float32:  # = 0 + scale * value, as add_ would give
@@ -214,7 +226,7 @@ class Reducer:
             return
         by_unit = _takes_keyword(plan, "unit")  # (a plan that treats units differently: see comm_hooks)
         for u in units:
-            if u.grad_storage is None:  # (never reduced: all its parameters frozen)
+            if not u.trains:  # (never reduced: all its parameters frozen)
                 continue
             args = (self.comm_hook_state, self.comm, u.layout.padded, self.config.wire_dtype)
             for name, numel, dtype in plan(*args, unit=u.name) if by_unit else plan(*args):

@@ -88,6 +88,8 @@ class Runtime:
         self.norm_group = (NormGroup(self.resident, self.gathers.prefetch, self.backward.on_unit_grads_complete)
                            if self.resident else None)
         self.backward.norm_group = self.norm_group
+        self.backward.steps_in_backward = config.step_in_backward
+        self.step_optimizer = None  # ShardConfig.step_in_backward: the OptimizerInBackward (set_step_optimizer)
         for u in self.units:
             u.backward = self.backward
         self.forward = ForwardSchedule(model, spec, config, self.state, unit_set, self.gathers, self.norm_group,
@@ -151,6 +153,8 @@ class Runtime:
     def before_optimizer_step(self) -> None:
         """Run by the optimizer step pre-hook, after its checks: keep the frozen ranges of partly
         frozen units (put back by :meth:`after_optimizer_step`)."""
+        if self.config.step_in_backward:  # (each unit kept and restored them around its own step)
+            return
         for u in self.units:
             u.keep_frozen()
 
@@ -172,9 +176,10 @@ class Runtime:
         momentum may have moved them)."""
         for u in self.units:
             u.restore_frozen()
-            if u.grad_storage is not None:  # (a shard of frozen parameters never has a gradient to step)
+            if u.trains:  # (a shard of frozen parameters never has a gradient to step)
                 torch.autograd.graph.increment_version(u.master)
         self.state.stepped_since_backward = True  # (the next backward starts the gradient flags afresh)
+        self.state.step_pending = False  # (step_in_backward: the next backward may step again)
         self.masters_changed()
 
     def masters_changed(self) -> None:
@@ -234,10 +239,30 @@ class Runtime:
         return self.sums.sums
 
     def grads_finite(self) -> torch.Tensor:
+        if self.step_optimizer is not None:  # step_in_backward: the gradients the units stepped on
+            return self.step_optimizer.finite_flags()
         return self.norms.grads_finite()
+
+    def set_step_optimizer(self, optimizer) -> None:
+        """``ShardConfig.step_in_backward``: ``optimizer`` (an ``OptimizerInBackward``) steps each
+        unit in backward, from now on; an earlier one no longer does."""
+        if self.state.in_backward or self.state.step_pending:
+            raise RuntimeError("optimizer_in_backward between a backward and opt.step(): build it before the "
+                               "backward, or after the previous optimizer's step()")
+        self.step_optimizer = optimizer
+        self.reducer.step_unit = optimizer.step_unit
+
+    def refuse_in_step_in_backward(self, what: str, why: str, fix: str) -> None:
+        """Raise if ``ShardConfig.step_in_backward`` is on: ``what`` needs gradients the mode does not keep."""
+        if self.config.step_in_backward:
+            raise RuntimeError(f"{what} with ShardConfig(step_in_backward=True): {why}; {fix}")
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
         """Clip every gradient shard by the global norm (:meth:`yashard.grad_norm.GradNorms.clip_grad_norm_`)."""
+        self.refuse_in_step_in_backward(
+            "clip_grad_norm_", "each unit already stepped in backward, on its own gradients, before the global norm "
+            "over every unit was known, and AdamW's second moment takes the gradient squared, so scaling the step "
+            "after it ran is not clipping", "drop the clipping, or use the ordinary step (drop step_in_backward)")
         self.check_grads_reduced("clip_grad_norm_")
         return self.norms.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
 
@@ -260,6 +285,10 @@ class Runtime:
 
     def register_comm_hook(self, state, hook) -> None:
         """Replace how each unit's gradients are reduced (contract in :mod:`yashard.comm_hooks`)."""
+        self.refuse_in_step_in_backward(
+            "register_comm_hook", "the optimizer steps straight from the default reduce-scatter's fp32 output buffer, "
+            "and a hook hands back its own tensor, in its own dtype", "use the default reduction, or drop "
+            "step_in_backward")
         self.comm_hooks.register(state, hook)
 
     def hook_state_dict(self) -> dict | None:
@@ -279,7 +308,7 @@ class Runtime:
             config=self.config, world=self.world,
             slots=tuple(SlotSize(s.name, s.numel, s.grad_numel, s.direct, s.shared is not None)
                         for s in self.slots.values()),
-            units=tuple(UnitSize(u.layout.shard_numel, u.grad_storage is not None,
+            units=tuple(UnitSize(u.layout.shard_numel, u.trains,
                                  u.frozen_values.numel() if u.frozen_values is not None else 0,
                                  u.layout.padded if u.kind == "layer" else None, u.master.dtype) for u in self.units),
             direct=self.direct, direct_grads=self.state.direct_grads, reduce_out=self.reducer.reduce_out is not None,
@@ -325,6 +354,9 @@ class Runtime:
         """Full fp32 tensors by HF name, gathered from every rank (a collective: call on all ranks).
         A frozen unit's 16-bit master gives its values widened to fp32 (exact)."""
         if what == "grads":
+            self.refuse_in_step_in_backward(
+                "full_grads()", "no gradient is kept: each unit's lives only until its optimizer step, in backward",
+                "read gradients with the ordinary step (drop step_in_backward)")
             self.check_grads_reduced("full_grads()")
         out: dict[str, torch.Tensor] = {}
         for u in self.units:

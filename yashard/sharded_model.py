@@ -388,6 +388,30 @@ class ShardedModel(nn.Module):
                              "is nothing to train; leave some unfrozen before yashard.shard")
         return groups
 
+    def optimizer_in_backward(self, optimizer_class, params=None, **kwargs):
+        """The optimizer of ``ShardConfig(step_in_backward=True)``: each unit steps in backward, as
+        soon as its reduced gradient shard is ready.
+
+        ``optimizer_class``: a ``torch.optim.Optimizer`` class, built as
+        ``optimizer_class(params, **kwargs)`` (``params``: ``model.param_groups(weight_decay)`` or
+        the trained masters by default), or an optimizer already built over this model's masters.
+        Returns an :class:`~yashard.step_in_backward.OptimizerInBackward`: LR schedulers, ``state_dict``,
+        ``yashard.save_checkpoint`` / ``load_checkpoint`` and :meth:`sharded_optim_state_dict` take it.
+        Call its ``step()`` once after every backward: it runs the step checks and changes nothing
+        else; ``zero_grad()`` does nothing. A later call replaces the optimizer."""
+        from . import step_in_backward  # (the mode's module: imported when first used)
+
+        rt = self._runtime
+        if not rt.config.step_in_backward:
+            raise RuntimeError(
+                "optimizer_in_backward on a model sharded without ShardConfig(step_in_backward=True): its backward "
+                "keeps the gradient shards for an ordinary optimizer step. Shard with "
+                "ShardConfig(step_in_backward=True), or build a plain optimizer: torch.optim.AdamW(model.param_groups(wd))"
+            )
+        opt = step_in_backward.build(rt.units, rt.device, optimizer_class, params, kwargs)
+        rt.set_step_optimizer(opt)
+        return opt
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
         """Clip the gradients of all shards by their global norm; returns the norm before clipping.
         ``error_if_nonfinite``: raise before clipping if that norm is NaN or inf (as torch's)."""

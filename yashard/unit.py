@@ -81,6 +81,7 @@ class Unit:
         slot: "Slot",
         master: nn.Parameter,
         trainable: list[bool] | None = None,
+        keep_grads: bool = True,
     ):
         self.state = state          # the pass state shared with the runtime's components
         # What the autograd Functions' moments are handed to (the backward schedule: set by the runtime).
@@ -105,17 +106,21 @@ class Unit:
         self.trainable = list(trainable) if trainable is not None else [True] * len(layout.entries)
         if len(self.trainable) != len(layout.entries):
             raise ValueError(f"{len(self.trainable)} trainable flags for {len(layout.entries)} entries of {name}")
+        # Whether any parameter trains: the unit reduces its gradients and the optimizer steps it.
+        self.trains = any(self.trainable)
+        # Its persistent fp32 gradient (attached as master.grad); none with ShardConfig.step_in_backward
+        # (``keep_grads=False``): the step reads the reduce-scatter output (yashard.step_in_backward).
         self.grad_storage: torch.Tensor | None = None
-        if any(self.trainable):
+        if self.trains and keep_grads:
             self.grad_storage = torch.zeros_like(master, memory_format=torch.contiguous_format)
-        else:
+        elif not self.trains:
             master.requires_grad_(False)
         # Partly frozen: this rank's shard ranges of the frozen entries, and their values, kept over
         # each optimizer step (the step sees zero gradients there but may still move them: weight
         # decay) and put back after it (:meth:`keep_frozen` / :meth:`restore_frozen`).
         self.frozen_ranges: list[tuple[int, int]] = []
         self.frozen_values: torch.Tensor | None = None
-        if self.grad_storage is not None and not all(self.trainable):
+        if self.trains and not all(self.trainable):
             self.frozen_ranges = shard_ranges_of(layout, shard_rank, [not t for t in self.trainable])
             n = sum(hi - lo for lo, hi in self.frozen_ranges)
             self.frozen_values = torch.empty(n, dtype=master.dtype, device=master.device) if n else None

@@ -18,6 +18,7 @@ from ..config_compare import config_diff, config_dict
 from ..safetensors_io import read_flat_range
 from ..saved_state import persistent_buffers
 from ..sharded_model import runtime_of
+from ..step_in_backward import inner_optimizer
 from .format import (INDEX, POINTER, SAVE_DIR_RE, CheckpointError, agree, decode_value, describe_params,
                      dtype_from_name, model_params, overlaps, params_diff, read_index, resolve_checkpoint,
                      tensor_crc32)
@@ -258,6 +259,7 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer: torch.optim.Optim
     renamed or linked save directory loads. Returns the ``extra`` given to ``save_checkpoint``.
     """
     rt = runtime_of(model, "load_checkpoint")
+    optimizer = inner_optimizer(optimizer)  # (step_in_backward: the plain optimizer inside, its state)
     comm = rt.comm
     save_dir, index, via_pointer = _agreed_save(comm, path)
     with contextlib.ExitStack() as stack:

@@ -41,6 +41,7 @@ from ..config_compare import config_dict
 from ..layout import shard_pieces
 from ..saved_state import optimizer_units, persistent_buffers
 from ..sharded_model import runtime_of
+from ..step_in_backward import inner_optimizer
 from ..version import __version__
 from .format import (FORMAT, INDEX, POINTER, SAVE_DIR_RE, CheckpointError, agree, buffer_key, check_extra,
                      coverage_problem, describe_params, encode_value, fingerprint, model_params, piece_key,
@@ -307,6 +308,7 @@ def save_checkpoint(path: str | os.PathLike, model, optimizer: torch.optim.Optim
     Returns the committed save directory. Errors on any rank are raised on every rank.
     """
     rt = runtime_of(model, "save_checkpoint")
+    optimizer = inner_optimizer(optimizer)  # (step_in_backward: the plain optimizer inside, its state)
     comm = rt.comm
     root = Path(path)
     err, name, opt_meta = None, None, None

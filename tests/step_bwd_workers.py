@@ -4,7 +4,6 @@ sizes, and the mode's refusals."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import torch
@@ -30,19 +29,22 @@ def _optimizer(sm, step_in_backward: bool):
     return torch.optim.AdamW(sm.param_groups(WD), lr=LR)
 
 
-def _train_steps(sm, opt, sched, rank, world, steps, start=0, vocab=96):
-    """Train ``steps`` steps of the fixed data stream from step ``start``; after each step, the full
-    weights (a collective), the loss, and the data pointers of every tensor the runtime holds."""
+def _train_steps(sm, opt, sched, rank, world, steps, start=0, global_batch=None, vocab=96):
+    """Train ``steps`` steps of the fixed data stream from step ``start`` (global batches of
+    ``global_batch`` rows, 2 per rank by default); after each step, the full weights (a
+    collective), the loss over every rank, and the data pointers of every tensor the runtime holds."""
     out = {"params": [], "losses": [], "ptrs": []}
-    data = batches(start + steps, 2 * world if world > 1 else 2, SEQ, vocab)[start:]
+    data = batches(start + steps, global_batch or 2 * world, SEQ, vocab)[start:]
     for batch in data:
-        x = batch.chunk(world)[rank] if world > 1 else batch
+        x = batch.chunk(world)[rank]
         loss = sm(input_ids=x, labels=x).loss
         loss.backward()
         opt.step()
         sched.step()
         opt.zero_grad()
-        out["losses"].append(loss.item())
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        out["losses"].append(total.item() / world)
         out["params"].append(sm.full_state_dict())
         out["ptrs"].append({k: t.data_ptr() for k, t in sm.runtime.allocated_tensors().items()})
     return out
@@ -86,12 +88,12 @@ def checkpoints(rank: int, world: int, path: str, stage: str) -> dict:
 
     if stage == "save":
         sm, opt, sched = fresh(True)
-        _train_steps(sm, opt, sched, rank, world, 2)
+        _train_steps(sm, opt, sched, rank, world, 2, global_batch=6)
         yashard.save_checkpoint(os.path.join(path, "ys"), sm, opt, extra={"sched": sched.state_dict()["last_epoch"]})
         dcp.save({"model": sm.sharded_state_dict(), "optim": sm.sharded_optim_state_dict(opt)},
                  checkpoint_id=os.path.join(path, "dcp"))
         torch.save(sched.state_dict(), os.path.join(path, f"sched{rank}.pt"))
-        return _train_steps(sm, opt, sched, rank, world, 2, start=2)
+        return _train_steps(sm, opt, sched, rank, world, 2, start=2, global_batch=6)
     out = {}
     for kind in ("ys", "dcp"):
         for sib in (True, False):
@@ -103,7 +105,7 @@ def checkpoints(rank: int, world: int, path: str, stage: str) -> dict:
                 dcp.load(sd, checkpoint_id=os.path.join(path, "dcp"))
                 sm.load_sharded_optim_state_dict(opt, sd["optim"])
             sched.load_state_dict(torch.load(os.path.join(path, "sched0.pt"), weights_only=False))
-            out[(kind, sib)] = _train_steps(sm, opt, sched, rank, world, 2, start=2)
+            out[(kind, sib)] = _train_steps(sm, opt, sched, rank, world, 2, start=2, global_batch=6)
     return out
 
 

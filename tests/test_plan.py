@@ -25,10 +25,14 @@ CASES = {
     "shared outer": ({"share_outer_slot": True}, (), "llama"),
     "shared outer, bf16, frozen lm_head": ({"share_outer_slot": True, "param_dtype": torch.bfloat16}, ("lm_head",),
                                            "llama"),
+    "step in backward": ({"step_in_backward": True}, (), "llama"),
+    "step in backward, bf16, frozen q_proj": ({"step_in_backward": True, "param_dtype": torch.bfloat16}, ("q_proj",),
+                                              "llama"),
 }
 # only where they apply: hybrid sharding and hpZ need the world size to divide
 BY_WORLD = {
-    2: {"hybrid 1": {"shard_group_size": 1}},
+    2: {"hybrid 1": {"shard_group_size": 1}, "hybrid 1, step in backward": {"shard_group_size": 1,
+                                                                         "step_in_backward": True}},
     4: {"hybrid 2": {"shard_group_size": 2}, "hpZ": {"secondary_group_size": 2},
         "hybrid hpZ": {"shard_group_size": 2, "secondary_group_size": 1}},
 }

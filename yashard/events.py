@@ -29,6 +29,13 @@ Rules (each one is enforced at exactly one place, named in brackets):
                             orders them already; on CPU the host finishes the previous one first
                             (it was issued a whole layer's backward earlier, so this rarely waits).
                             [reduction.Reducer.reduce]
+  R7 step-after-reduce      With ``step_in_backward``, a unit's optimizer step runs inside its
+                            reduction's follow-up, on the communication stream, after the hybrid
+                            all-reduce and the in-place post-divide of the output buffer, and
+                            before the next reduction writes that buffer (R6 starts it only after
+                            this follow-up). Later readers of the masters are ordered after it: the
+                            gathers run on the same stream, and compute waits for the follow-up's
+                            event at the end-of-backward drain. [reduction.Reducer._accumulate]
 
 Forward, layers i-1, i, i+1 (slots alternate A/B by layer parity)::
 

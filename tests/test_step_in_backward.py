@@ -21,7 +21,11 @@ CASES = {
     "frozen q_proj": ({}, ("q_proj",), "llama"),
     "shared outer": ({"share_outer_slot": True}, (), "llama"),
 }
-BY_WORLD = {1: {}, 2: {"hybrid 1": ({"shard_group_size": 1}, (), "llama")}, 3: {}}
+BY_WORLD = {1: {}, 3: {},
+            2: {"hybrid 1": ({"shard_group_size": 1}, (), "llama"),
+                "hpZ": ({"secondary_group_size": 1}, (), "llama"),
+                "qwZ": ({"quantized_weights": 8, "quant_block": 64}, (), "llama"),
+                "no reshard": ({"reshard_after_forward": False}, (), "llama")}}
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])

@@ -162,9 +162,23 @@ def refusals(rank: int, world: int) -> dict:
     for name, kw in (("bf16 reduce", {"reduce_dtype": torch.bfloat16}), ("skip", {"on_nonfinite": "skip"}),
                      ("not a bool", {"step_in_backward": 1})):
         out[name] = _catch(lambda kw=kw: yashard.ShardConfig(**{"step_in_backward": True, **kw}))
+    # opt.state_dict() into a new optimizer_in_backward, which replaces the first
+    sd = opt.state_dict()
+    opt2 = sm.optimizer_in_backward(torch.optim.AdamW, sm.param_groups(WD), lr=LR)
+    opt2.load_state_dict(sd)
+    inner = opt2.inner
+    out["state dict"] = (opt2.param_groups is inner.param_groups and opt2.state is inner.state
+                         and all(torch.equal(opt.state[p]["exp_avg"], opt2.state[p]["exp_avg"])
+                                 for p in sm.parameters() if p in opt.state)
+                         and len(opt2.state) == len(opt.state) > 0)
+    backward()
+    out["replaced"] = _catch(opt.step)
+    opt, opt2 = opt2, None
+    opt.step()
     # a NaN gradient: the step ran in backward; opt.step()'s checks name it after the fact
     with torch.no_grad():
         sm.runtime.layers[1].master[:4] = float("nan")
     backward()
     out["nan"] = _catch(opt.step)
+    out["after nan"] = _catch(backward)  # (the step that raised still ended the backward's: not "a second backward")
     return out

@@ -11,9 +11,11 @@ from .memory import MemoryPlan
 from .peft_adapter import save_adapter
 from .plan import plan
 from .sharded_model import ShardedModel
+from .step_in_backward import OptimizerInBackward
 from .stub import ShardedStub
 from .version import __version__
 
 __all__ = ["shard", "from_pretrained", "plan", "ShardConfig", "ShardedModel", "MemoryPlan", "OrderError",
            "save_checkpoint", "load_checkpoint", "export_hf", "CheckpointError", "CollectiveError",
-           "CollectiveOrderError", "NonFiniteError", "ShardedGradScaler", "ShardedStub", "save_adapter"]
+           "CollectiveOrderError", "NonFiniteError", "ShardedGradScaler", "ShardedStub", "save_adapter",
+           "OptimizerInBackward"]

@@ -349,6 +349,8 @@ def _before_step(optimizer, args, kwargs):
         check_optimizer_kind(optimizer)
     for rt in runtimes:
         check_step_in_backward(rt, optimizer)
+        if optimizer is rt.step_optimizer:  # (its backward's steps are done, even if a check below raises)
+            rt.state.step_pending = False
     for rt in runtimes:
         rt.check_grads_reduced(f"{type(optimizer).__name__}.step()")
         rt.check_no_new_parameters()

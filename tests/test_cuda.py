@@ -240,3 +240,32 @@ def test_shared_outer_slot_trains_bitwise_as_the_outer_slot_with_real_streams(nc
         del sm, opt
     assert torch.equal(runs[True][0], runs[False][0]), (runs[True][0], runs[False][0])
     assert all(torch.equal(runs[True][1][k], v) for k, v in runs[False][1].items())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_step_in_backward_equals_the_ordinary_step_on_real_streams(nccl_group, dtype):
+    """``ShardConfig(step_in_backward=True)`` on CUDA: each unit steps on the communication stream, in
+    its reduction's follow-up (events rule R7); the masters, read by the next forward on the compute
+    stream, match the ordinary step's. Fused AdamW, 4 steps, no clipping; fixed data pointers."""
+    dev = torch.device("cuda", 0)
+    ids = batches(1, 4, 64, 96)[0].to(dev)
+    runs = {}
+    for sib in (False, True):
+        sm = yashard.shard(build("llama"), config=yashard.ShardConfig(param_dtype=dtype, step_in_backward=sib))
+        if sib:
+            opt = sm.optimizer_in_backward(torch.optim.AdamW, sm.param_groups(0.1), lr=1e-3, fused=True)
+        else:
+            opt = torch.optim.AdamW(sm.param_groups(0.1), lr=1e-3, fused=True)
+        losses, ptrs = [], []
+        for _ in range(4):
+            out = sm(input_ids=ids, labels=ids)
+            out.loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(out.loss.item())
+            ptrs.append({k: t.data_ptr() for k, t in sm.runtime.allocated_tensors().items()})
+        assert all(p == ptrs[0] for p in ptrs)
+        runs[sib] = (losses, {k: v.cpu() for k, v in sm.full_state_dict().items()})
+    (ref_losses, ref), (got_losses, got) = runs[False], runs[True]
+    assert got_losses == pytest.approx(ref_losses, rel=1e-6)
+    assert all(torch.allclose(got[k], ref[k], rtol=1e-6, atol=1e-7) for k in ref)

@@ -16,6 +16,9 @@ LR, WD, SEQ, STEPS = 1e-2, 0.1, 8, 3
 
 
 def _model(family: str, frozen: tuple = ()):
+    if family == "lora":  # PEFT LoRA on q_proj and v_proj: the adapter group trains, the layers are frozen
+        from peft_workers import lora_model
+        return lora_model()
     model = build(family)
     for name, p in model.named_parameters():
         if any(f in name for f in frozen):

@@ -25,7 +25,8 @@ BY_WORLD = {1: {}, 3: {},
             2: {"hybrid 1": ({"shard_group_size": 1}, (), "llama"),
                 "hpZ": ({"secondary_group_size": 1}, (), "llama"),
                 "qwZ": ({"quantized_weights": 8, "quant_block": 64}, (), "llama"),
-                "no reshard": ({"reshard_after_forward": False}, (), "llama")}}
+                "no reshard": ({"reshard_after_forward": False}, (), "llama"),
+                "PEFT LoRA": ({}, (), "lora")}}
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])

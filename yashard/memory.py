@@ -184,7 +184,7 @@ def plan_memory(inp: MemoryInputs) -> MemoryPlan:
                               f"Z/W={nz} * {p} (units whose parameters are all frozen, kept in param_dtype)"))
     else:
         rows.append(MemoryRow("fp32 master shards", n, 4 * n, f"N/W={n} * 4"))
-    if step_bwd:  # no gradient shards: the workspace the step reads is the rows above
+    if step_bwd:  # (no gradient shards: the workspace the step reads is in the rows above)
         pass
     elif nt == n:
         rows.append(MemoryRow("fp32 grad shards", n, 4 * n, f"N/W={n} * 4"))

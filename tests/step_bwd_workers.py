@@ -185,3 +185,22 @@ def refusals(rank: int, world: int) -> dict:
     out["nan"] = _catch(opt.step)
     out["after nan"] = _catch(backward)  # (the step that raised still ended the backward's: not "a second backward")
     return out
+
+
+def unreached(rank: int, world: int) -> dict:
+    """A loss on the first layer's output only: layers 1-3 and the lm_head ran forward, but no
+    rank's loss reached them. The ordinary step skips them (their ``.grad`` goes back to None); so
+    must the step in backward. Both runs' weights after 2 steps, and the initial ones."""
+    out = {}
+    for sib in (False, True):
+        sm = yashard.shard(_model("llama"), config=yashard.ShardConfig(step_in_backward=sib))
+        opt = _optimizer(sm, sib)
+        out["init"] = sm.full_state_dict()
+        for batch in batches(2, 2 * world, SEQ, 96):
+            x = batch.chunk(world)[rank]
+            hidden = sm(input_ids=x, output_hidden_states=True).hidden_states[1]
+            hidden.pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        out[sib] = sm.full_state_dict()
+    return out

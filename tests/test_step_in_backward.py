@@ -10,7 +10,7 @@ import torch
 import yashard
 from harness import run_distributed
 from models import tiny_config
-from step_bwd_workers import checkpoints, parity, refusals
+from step_bwd_workers import checkpoints, parity, refusals, unreached
 from workers import rel_err
 
 # name -> (ShardConfig keywords, parameter-name substrings frozen before shard(), family)
@@ -48,6 +48,16 @@ def test_the_step_in_backward_equals_the_ordinary_step_with_fixed_memory(world):
             assert got["held"] == got["plan"] < ref["plan"], (world, name, got["held"], got["plan"], ref["plan"])
             assert all(p == got["ptrs"][0] for p in got["ptrs"]), (world, name)
             assert not any(got["grads"]), "no master keeps a .grad between steps"
+
+
+def test_units_no_rank_reached_skip_their_step_as_in_the_ordinary_step():
+    got = run_distributed(unreached, 2)[0]
+    init, ref, sib = got["init"], got[False], got[True]
+    for k in ref:
+        assert rel_err(sib[k], ref[k]) <= 1e-6, k
+    assert torch.equal(ref["lm_head.weight"], init["lm_head.weight"])  # (skipped: no weight decay either)
+    assert torch.equal(sib["model.layers.3.mlp.up_proj.weight"], init["model.layers.3.mlp.up_proj.weight"])
+    assert not torch.equal(sib["model.layers.0.mlp.up_proj.weight"], init["model.layers.0.mlp.up_proj.weight"])
 
 
 def test_the_plan_drops_the_gradient_shards_and_equals_yashard_plan():

@@ -150,6 +150,21 @@ class BackwardSchedule:
                 )
         state.step_pending = True
 
+    def _skip_unreached(self, late: list[Unit]) -> None:
+        """``step_in_backward``: of the units reduced at the end of the backward (their gate never fired),
+        those no rank's loss reached skip their step, as torch skips a parameter whose ``.grad`` is None
+        (the ordinary step drops such a ``.grad``: ``guards.step_checks``). One small all-reduce over the
+        data-parallel group, issued only when such units exist (on every rank alike: their reductions'
+        order needs it already)."""
+        trained = [u for u in late if u.fwd_trains and u.trains]
+        if not trained:
+            return
+        comm = self.reducer.comm
+        reached = torch.tensor([float(any(u.got_grad)) for u in trained], device=trained[0].master.device)
+        comm.all_reduce(reached, "units no gradient reached (step in backward)", comm.group, op="max")
+        for u, r in zip(trained, reached.tolist()):
+            u.skip_step = r == 0.0
+
     def _count_forward_sums(self) -> None:
         """A backward of forward ``grad_fwd_id`` starts: its forward-output sums now count for the
         step (``ForwardSums.sums``). When every gradient the last backward left was dropped or zeroed since
@@ -249,9 +264,11 @@ class BackwardSchedule:
         try:
             # Units that ran forward with grad but whose gate never fired (their outputs did not reach
             # the loss) still reduce, in a fixed order, so every rank issues the same collectives.
-            for u in self.units.forward_order:
-                if u.fwd_id == self.state.grad_fwd_id and not u.reduced_in_pass:
-                    self.on_unit_grads_complete(u)
+            late = [u for u in self.units.forward_order if u.fwd_id == self.state.grad_fwd_id and not u.reduced_in_pass]
+            if late and self.steps_in_backward and self.state.accumulating:
+                self._skip_unreached(late)
+            for u in late:
+                self.on_unit_grads_complete(u)
             if self.norm_group is not None:
                 self.norm_group.end_backward()
             self.drain()
@@ -312,6 +329,7 @@ class BackwardSchedule:
                 torch._foreach_zero_(attached)
             for u in self.units.units:
                 u.grad_unwritten = False
+                u.skip_step = False
                 u.grad_claimed = False
                 u.reduced_in_pass = False
                 u.unreduced = False  # (a no_sync() accumulation: the next backward writes afresh)

@@ -156,7 +156,8 @@ class Reducer:
                 # R7: step from the output buffer itself, post-divided in place (value * scale, as the
                 # ordinary path's mul gives), before the next reduction writes it (R6 orders that one
                 # after this follow-up). On CUDA this runs on the communication stream.
-                if not master.requires_grad:  # (turned off since its forward: no step, as torch)
+                if not master.requires_grad or unit.skip_step:  # (turned off since its forward, or no
+                    unit.skip_step = False                    # rank's loss reached it: no step, as torch)
                     return
                 value.mul_(scale)
                 self.step_unit(unit, value)

@@ -152,6 +152,7 @@ class Unit:
         self.attached_from_none = False
         self.grad_end_version = -1  # grad_storage._version at the end of the last backward
         self.reduced_in_pass = False
+        self.skip_step = False  # step_in_backward: no rank's loss reached it in this backward (no step)
         # no_sync(): the grad slot holds this unit's gradients of earlier backwards, not yet reduced
         # (only with reshard_after_forward=False, where the slot is the unit's alone; over one rank
         # they are in master.grad, and the flag only makes the step refuse as on more ranks).

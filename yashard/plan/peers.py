@@ -4,10 +4,16 @@ Pure functions of the model's shapes (:class:`~yashard.plan.activations.ModelSha
 activation estimate; each returns a :class:`~yashard.plan.activations.Peak`, so the command line
 and ``recipes/plan_check.py`` put them next to yashard's.
 
-**FSDP2** (``torch.distributed.fsdp.fully_shard``, torch 2.13), wrapped as torchtitan wraps it:
-one ``fully_shard`` per decoder layer, then one on the root (the embedding, the final norm and the
-lm_head). :func:`fsdp2_peak` replays one training step, allocation by allocation, by the rules of
-``torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py`` and ``_fsdp_collectives.py``:
+**FSDP2** (``torch.distributed.fsdp.fully_shard``, torch 2.13). By default it is wrapped as
+torchtitan wraps it since its PR #1094 (2025-07), to its HEAD b5bcd76 (2026-08): the embedding
+alone, resharded after forward; each decoder layer; ``[norm, lm_head]`` one group with
+``reshard_after_forward=False``; ``fully_shard(model)`` last, owning no parameter
+(``torchtitan/distributed/fsdp.py:252-265``, the same in its HF-transformers backend). A tied
+model is one group of the embedding, the norm and the lm_head, kept (``fsdp.py:238-250``).
+``root_group=True`` (``--fsdp2-root-group``) is the older wrapping: each layer, then the root
+holding the embedding, the norm and the lm_head, not resharded after forward
+(``reshard_after_forward=None`` is False for the root: ``_fully_shard.py:246``).
+:func:`fsdp2_peak` replays one training step, allocation by allocation:
 
 - between steps a rank holds its fp32 parameter shards and AdamW's two moments, ``12 N/W`` bytes;
   ``zero_grad(set_to_none=True)`` frees the gradient shards (``FSDPParamGroup.post_backward``
@@ -15,15 +21,28 @@ lm_head). :func:`fsdp2_peak` replays one training step, allocation by allocation
 - an all-gather allocates the group's flat output, ``P*p``; the copy-out allocates the unsharded
   parameters, ``P*p`` again. In forward the flat output is kept until the next group's copy-out
   (``wait_for_unshard``: ``comm_ctx.all_gather_state``), in backward it is freed at once;
-- the root is not resharded after forward (``reshard_after_forward=None`` is False for the root):
-  its unsharded parameters stay from its gather to the end of the backward, and so do its
-  unsharded gradients (the lm_head's first, the embedding's last);
-- in backward each layer prefetches the next one's all-gather (``_backward_prefetch``); the root's
-  pre-backward prefetches the last layer;
-- a layer's unsharded gradients, ``P*p``, all exist at its post-backward. There it reshards, copies
-  them into a reduce-scatter input in the reduce dtype, ``P*r`` (``foreach_reduce``), frees them,
-  allocates the output, ``P/W*r``, which becomes the gradient shard, and keeps the input until the
-  next group's post-backward (``comm_ctx.reduce_scatter_states``, one buffer by default);
+- pre-backward hooks go on every grad-requiring tensor of a wrapped module's output
+  (``_fsdp_state.py:434-452``). With the root wrapping the root's hook sits on the loss the HF
+  model returns: it fires before the loss's backward and prefetches the last layer
+  (``_fsdp_param_group.py:795``). With torchtitan's the root owns nothing, and the hook of
+  ``[norm, lm_head]`` sits on the logits: the prefetch comes after the loss's backward;
+- the group holding the lm_head keeps its unsharded parameters and gradients to its
+  post-backward: the backward's end for the root, right after the final norm's backward for
+  ``[norm, lm_head]``;
+- a group's unsharded gradients, ``P*p``, all exist at its post-backward. There it reshards, drops
+  the previous reduce-scatter input (``_fsdp_param_group.py:647-659``, one buffer by default),
+  allocates a reduce-scatter input in the reduce dtype, ``P*r``, and copies the gradients in while
+  they live (the copy-in moment, ``_fsdp_collectives.py:597-606``), frees them, allocates the
+  output, ``P/W*r``, which becomes the gradient shard, and keeps the input until the next group's
+  post-backward;
+- a layer's backward rises above its recomputed activations by ``acts.mlp_transient`` (see
+  :mod:`yashard.plan.activations`);
+- ``loss="chunked"``: torchtitan's ``ChunkedLossWrapper`` (``torchtitan/components/loss.py``)
+  after the model's forward: the lm_head kept gathered (``:663``), one backward per chunk into its
+  unsharded bf16 gradient (``:696``), the hidden states' gradient accumulated in fp32
+  (``GradAccumulator``, ``:639``), one reduce-scatter at the last chunk (``:665``, ``:680``), then
+  ``lm_head.reshard()`` (``:706``); the decoder's backward starts at the final norm, whose group
+  gathers again;
 - over gloo, both collectives stage a temporary the size of the unsharded tensor (measured with
   ``recipes/plan_check.py``); NCCL does not;
 - with gradient accumulation every micro-batch after the first starts with the gradient shards of
@@ -37,8 +56,10 @@ in its docstring and :func:`deepspeed_state_bytes`'s), with the defaults of
 elements) stay whole on every rank; ``stage3_prefetch_bucket_size`` (5e7 elements) of gathered
 parameters run ahead; a gathered module stays gathered until its next use when that comes within
 ``stage3_max_reuse_distance`` (1e9) elements of the trace; ``stage3_max_live_parameters`` (1e9)
-caps the gathered parameters; gradients go through a ``reduce_bucket_size`` (5e8 elements)
-bucket. Measured on CPU at world 2 (``recipes/plan_check.py``): within 3% on the benchmark models.
+caps only the prefetches (``partitioned_param_coordinator.py:453``): a module's own gather is
+whole; gradients go through a ``reduce_bucket_size`` (5e8 elements)
+bucket. ``loss="chunked"``: torchtitan's chunked loss run on it (DeepSpeed has none of its own).
+Measured on CPU at world 2 (``recipes/plan_check.py``): within 3% on the benchmark models.
 DeepSpeed's own estimator (:func:`deepspeed_estimator_bytes`, ``18 N/W`` plus the largest layer)
 leaves out the bucket, the persistent parameters and the gathered ones, and is kept for reference.
 """
@@ -289,7 +310,7 @@ def deepspeed_zero3_peak(shape: ModelShape, acts: Activations, *, world: int, pa
     - Forward: each module's parameters are gathered, ``p`` each, and stay gathered into the
       backward when their next use is under ``stage3_max_reuse_distance`` elements away (the last
       layers and the lm_head; on small models everything); ``stage3_prefetch_bucket_size``
-      elements of the others run ahead; ``stage3_max_live_parameters`` caps the total.
+      elements of the others run ahead; ``stage3_max_live_parameters`` caps the prefetch only.
     - Backward: a module's gathered parameters are released after its backward (their next use is
       the next step). Its weight gradients, ``p`` each, are copied into the bucket and freed.
     - The bucket is reduce-scattered when full and at the backward's end (``reduce_scatter_coalesced``):

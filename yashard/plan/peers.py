@@ -189,7 +189,7 @@ def fsdp2_peak(shape: ModelShape, acts: Activations, *, world: int, param_bytes:
             t.mark("final norm pre-backward: all-gather", staging(head, p))
         t.add(layer * p)
         t.mark("final norm backward: prefetch of the last layer", staging(layer, p) + acts.io)
-        t.add(-acts.io)
+        t.add(-acts.io - acts.head)                       # (the final norm's saved tensors, freed)
         if not to_end:
             t.add((head - head_numel) * p)                # the final norm's gradient
             post_backward("norm", head, head - head_numel)

@@ -226,3 +226,20 @@ def test_share_outer_slot_on_a_tied_model_names_a_command_the_cli_accepts(tmp_pa
     assert e.value.code == 2 and "Drop --share-outer-slot (it is off by default)" in err, err
     assert "--share-outer-slot=" not in err
     assert main(["--config", str(tmp_path), "--world", "2"]) == 0  # (the command it names runs)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("loss", ["hf", "chunked"])
+@pytest.mark.parametrize("root_group", [False, True])
+def test_fsdp2s_timeline_frees_what_it_allocates(tied, loss, root_group):
+    """At the backward's end FSDP2 holds its state, every gradient shard, the last group's
+    reduce-scatter input and the logits the output keeps (none with a chunked loss): nothing else."""
+    from models import tiny_config
+
+    shape = shape_of(tiny_config("llama", tie_word_embeddings=tied))
+    acts = activations(shape, seq=64, micro_batch=1, param_bytes=2, checkpoint_layers=2, loss=loss)
+    peak = fsdp2_peak(shape, acts, world=1, param_bytes=2, root_group=root_group)
+    outer = shape.total_numel - shape.layers * shape.layer_numel
+    last = outer if root_group or tied else shape.embed_numel
+    assert peak.moments[-1].bytes == peak.state + shape.total_numel * 4 + last * 4 + acts.logits
+    assert (acts.logits == 0) == (loss == "chunked")

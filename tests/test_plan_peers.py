@@ -136,7 +136,12 @@ def test_a_chunked_loss_holds_one_chunk_and_no_logits():
     y = yashard_peak(1000, shape, chunked)
     names = [m.name for m in y.moments]
     assert "lm_head backward" not in names  # (its weight gradient lands in the slot)
-    assert _moment(y, "loss (one chunk)") == 1000 + chunked.forward_end + n * shape.hidden * 4 + chunked.loss_chunk
+    # yashard's fused loss: chunks of 1024 tokens, logits in p, their fp32 upcast and log-softmax
+    assert _moment(y, "loss (one chunk)") == 1000 + chunked.forward_end + n * shape.hidden * 2 + 1024 * v * (2 + 8)
+    small = yashard_peak(1000, shape, chunked, loss_chunk_tokens=256)
+    assert _moment(y, "loss (one chunk)") - _moment(small, "loss (one chunk)") == (1024 - 256) * v * 10
+    with pytest.raises(ValueError, match=r"loss_chunk_tokens=0: the fused loss's tokens per chunk, an int >= 1"):
+        yashard_peak(1000, shape, chunked, loss_chunk_tokens=0)
     for engine in (fsdp2_peak(shape, hf, world=8, param_bytes=2), deepspeed_zero3_peak(shape, hf, world=8, param_bytes=2)):
         chunk = (fsdp2_peak if engine.engine == "fsdp2" else deepspeed_zero3_peak)(shape, chunked, world=8, param_bytes=2)
         assert chunk.bytes < engine.bytes, engine.engine

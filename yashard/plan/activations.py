@@ -232,7 +232,11 @@ class Peak:
         return max(self.moments, key=lambda m: m.bytes).name
 
 
-def yashard_peak(state: int, shape: ModelShape, acts: Activations, *, step_in_backward_saves: int = 0) -> Peak:
+FUSED_CHUNK_TOKENS = 1024  # yashard's fused loss: tokens per chunk (ShardConfig.loss_chunk_tokens, issue 42)
+
+
+def yashard_peak(state: int, shape: ModelShape, acts: Activations, *, step_in_backward_saves: int = 0,
+                 loss_chunk_tokens: int = FUSED_CHUNK_TOKENS) -> Peak:
     """yashard's peak: ``state`` (the memory plan and AdamW's moments, held from step one) plus the
     activations and the backward's transients. Nothing of yashard's own is allocated in a step, so
     the candidates are the forward's end, the loss's backward, the lm_head's backward (its weight
@@ -241,10 +245,11 @@ def yashard_peak(state: int, shape: ModelShape, acts: Activations, *, step_in_ba
     the gradient slot run, while the MLP's ``Mul`` backward (``acts.mlp_transient``), or a
     checkpointed layer's recompute, come on top of the lower layers' activations.
 
-    With a chunked loss (yashard's fused linear cross-entropy) the loss's moment is one chunk's
-    logits and CE gradients (``acts.loss_chunk``) over the hidden states' gradient, accumulated in
-    fp32 (``n*h*4``); the lm_head's weight gradient goes straight into its gradient slot, so no
-    lm_head moment, and no logits stay alive in the layers' backward.
+    With a chunked loss (yashard's fused linear cross-entropy, chunks of ``loss_chunk_tokens``
+    tokens) the loss's moment is one chunk of ``c`` tokens: its logits in ``p``, their fp32 upcast
+    and fp32 log-probabilities, ``c*V*(p + 8)``, over the hidden states' gradient in ``p``; the
+    lm_head's weight gradient is added into its gradient slot, so no lm_head moment, and no logits
+    stay alive in the layers' backward.
 
     ``step_in_backward_saves``: the bytes of ``state`` that the optimizer step in backward removes,
     the fp32 gradient shards (``4 N/W``, :func:`yashard.plan.grad_shard_bytes`): each unit steps
@@ -256,8 +261,10 @@ def yashard_peak(state: int, shape: ModelShape, acts: Activations, *, step_in_ba
     fwd = state + acts.forward_end
     p = acts.io // (acts.tokens * shape.hidden)
     if acts.chunked:
-        moments = [Moment("forward end", fwd),
-                   Moment("loss (one chunk)", fwd + acts.tokens * shape.hidden * 4 + acts.loss_chunk)]
+        if not isinstance(loss_chunk_tokens, int) or loss_chunk_tokens < 1:
+            raise ValueError(f"loss_chunk_tokens={loss_chunk_tokens!r}: the fused loss's tokens per chunk, an int >= 1")
+        chunk = min(acts.tokens, loss_chunk_tokens) * shape.vocab * (p + 8)
+        moments = [Moment("forward end", fwd), Moment("loss (one chunk)", fwd + acts.io + chunk)]
     else:
         head_grad = shape.vocab * shape.hidden * p
         moments = [

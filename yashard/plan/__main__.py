@@ -3,6 +3,7 @@
     python -m yashard.plan --config llama-3-70b --world 256 --gpu-memory 80GiB
     python -m yashard.plan --config llama-3-8b --world 8 --seq-len 4096 --micro-batch 1 --checkpoint-layers 32
     python -m yashard.plan --config path/to/config.json --world 64 --shard-group-size 8
+    python -m yashard.plan --config llama-3-8b --world 8 --checkpoint-layers 32 --loss chunked --step-in-backward
 
 Each row of the plan is marked fixed (the slots hold whole units, whatever the world size) or 1/W
 (this rank's share of the model), then the model state with AdamW against one GPU's memory. Then
@@ -11,6 +12,8 @@ yashard, FSDP2 and DeepSpeed ZeRO-3 (:mod:`yashard.plan.peers`), whether it fits
 micro-batch that does, and the communication of one step (:mod:`yashard.plan.comm`): bytes per
 rank and kind, message sizes, and their time at ``--bandwidth`` against the compute time at
 ``--tflops`` and ``--mfu``, for yashard with and without ZeRO++ and hybrid sharding, and the peers.
+``--loss chunked`` plans every engine with its loss in sequence chunks, ``--step-in-backward``
+yashard stepping each unit in the backward, ``--fsdp2-root-group`` FSDP2's old root wrapping.
 """
 
 from __future__ import annotations

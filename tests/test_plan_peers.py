@@ -203,6 +203,8 @@ def test_the_cli_flags_change_the_right_rows(capsys):
     assert step["FSDP2"] == chunked["FSDP2"] and step["DeepSpeed ZeRO-3"] == chunked["DeepSpeed ZeRO-3"]
     assert round(chunked["yashard"][0] - step["yashard"][0], 2) == 3.74  # 4 N/W, the fp32 gradient shards
     assert "(--step-in-backward): no fp32 gradient shards" in outs[("--loss", "chunked", "--step-in-backward")]
+    assert "with --step-in-backward: no fp32 grad shards, model state 15.296 GiB, 3.739 GiB less" in outs[
+        ("--loss", "chunked", "--step-in-backward")]
 
 
 @pytest.mark.parametrize("args, message", [

@@ -299,6 +299,11 @@ def main(argv: list[str] | None = None) -> int:
     hint = _shared_outer_hint(model, result, config, args.world, args.backend)
     if hint:
         print(hint)
+    if args.step_in_backward:
+        saved = grad_shard_bytes(result)
+        print(f"  with --step-in-backward: no fp32 grad shards, model state "
+              f"{(result.total_bytes + result.adamw_bytes - saved) / 2**30:.3f} GiB, {saved / 2**30:.3f} GiB less "
+              "(each unit steps from its reduce-scatter output)")
     print(peaks_report(model, result, config, args.world, seq=args.seq_len, micro_batch=args.micro_batch,
                        checkpoint=args.checkpoint_layers, attention=args.attention, gpu_memory=args.gpu_memory,
                        backend=args.backend, grad_accum=args.grad_accum, loss=args.loss,

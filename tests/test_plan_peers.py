@@ -76,6 +76,7 @@ def test_torchtitans_wrapping_against_the_root_group_with_the_hf_loss():
     assert "embedding reduce-scatter" in names3 and "root reduce-scatter" in names1
     # the peaks the independent derivation gives (shared/reference/peak-memory-audit.md, section 2)
     assert (round(v1.bytes / GiB, 2), round(v3.bytes / GiB, 2)) == (21.56, 20.17)
+    assert round(_moment(v1, "root reduce-scatter: copy-in") / GiB, 2) == 21.32  # (section 4, item 3)
     shape70 = _shape("llama-3-70b")
     v3_70 = fsdp2_peak(shape70, _acts(shape70), world=256, param_bytes=2)
     assert v3_70.at == "layer 79 backward (MLP)" and round(v3_70.bytes / GiB, 2) == 18.69

@@ -339,7 +339,11 @@ def setup_yashard(args, device, shape, *, noop: bool = False, reshard: bool = Tr
     return eng
 
 
-def setup_fsdp2(args, device, shape) -> Engine:
+def setup_fsdp2(args, device, shape, *, titan: bool = False) -> Engine:
+    """FSDP2: ``fully_shard`` on each decoder layer, then on the root (which then holds the
+    embedding, the final norm and the lm_head). ``titan``: wrapped as torchtitan wraps it
+    (``torchtitan/distributed/fsdp.py:252-265``): the embedding alone, each layer, ``[norm,
+    lm_head]`` one group with ``reshard_after_forward=False``, then the root, which owns nothing."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -349,6 +353,9 @@ def setup_fsdp2(args, device, shape) -> Engine:
     else:
         mp = MixedPrecisionPolicy()
     model = build_model(shape, args.seed).to(device)
+    if titan:
+        fully_shard(model.model.embed_tokens, mesh=mesh, mp_policy=mp)
+        fully_shard([model.model.norm, model.lm_head], mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)

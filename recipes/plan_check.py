@@ -17,7 +17,8 @@ How a worker measures (as ``phase_memory.py`` and the benchmark do):
 - ``--steps`` steps run; the figures are the last step's, the maximum over the 2 ranks.
 
 The engines are built as ``bench_engines`` builds them (FSDP2: ``fully_shard`` on each decoder
-layer, then on the root; DeepSpeed: ZeRO-3 with its defaults and ``communication_data_type`` fp32
+layer, then on the root; ``fsdp2-titan``: as torchtitan wraps it, the embedding alone, each layer,
+``[norm, lm_head]`` with ``reshard_after_forward=False``, then the root; DeepSpeed: ZeRO-3 with its defaults and ``communication_data_type`` fp32
 in bf16, driven by ``engine.backward`` and ``engine.step``), with fused AdamW. DeepSpeed's one-time
 costs (its imports, the process group it adds, its compiled ops: about 45 MiB) are paid before the
 baseline by one step of a throwaway 1-layer engine. The estimates come from
@@ -43,7 +44,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_engines as be  # noqa: E402
 
 MODELS = {"small": 4, "wide": 1}  # the benchmark's models, at their matrix micro-batch (4x1, 1x1)
-ENGINES = ("yashard", "yashard-shared", "fsdp2", "deepspeed")  # (yashard-shared: share_outer_slot=True)
+# (yashard-shared: share_outer_slot=True; fsdp2: each layer, then the root; fsdp2-titan: wrapped as
+# torchtitan wraps it, the embedding alone, each layer, [norm, lm_head] kept, the root empty)
+ENGINES = ("yashard", "yashard-shared", "fsdp2", "fsdp2-titan", "deepspeed")
 MiB = 2**20
 
 
@@ -105,6 +108,7 @@ def worker(args) -> None:
     _prime(shape, args.dtype, args.micro_batch, vocab, args.engine)
     base = mem.now()
     setup, kw = ((be.setup_yashard, {"share_outer": True}) if args.engine == "yashard-shared" else
+                 (be.setup_fsdp2, {"titan": True}) if args.engine == "fsdp2-titan" else
                  (getattr(be, f"setup_{args.engine}"), {}))
     eng = setup(SimpleNamespace(dtype=args.dtype, seed=0, micro_batch=args.micro_batch, accum=args.accum,
                                 optimizer="adamw-fused"), torch.device("cpu"), shape, **kw)
@@ -186,8 +190,10 @@ def estimate(engine: str, model: str, dtype: str, micro_batch: int, accum: int =
     if engine == "deepspeed":  # communication_data_type fp32, as bench_engines configures it
         return dict(forward=deepspeed_forward_end(shape, acts, param_bytes=p),
                     peak=deepspeed_zero3_peak(shape, acts, world=2, param_bytes=p, reduce_bytes=4, backend="gloo"))
-    return dict(forward=fsdp2_forward_end(shape, acts, param_bytes=p),
-                peak=fsdp2_peak(shape, acts, world=2, param_bytes=p, backend="gloo", accumulating=accum > 1))
+    root = engine == "fsdp2"
+    return dict(forward=fsdp2_forward_end(shape, acts, param_bytes=p, root_group=root),
+                peak=fsdp2_peak(shape, acts, world=2, param_bytes=p, backend="gloo", accumulating=accum > 1,
+                                root_group=root))
 
 
 def table(rows: list[tuple]) -> str:
@@ -224,6 +230,9 @@ def main(argv=None) -> None:
     for model in args.models.split(","):
         for dtype in args.dtypes.split(","):
             for engine in args.engines.split(","):
+                if engine == "deepspeed" and be.deepspeed_missing():
+                    print(f"deepspeed {model} {dtype}: skipped, {be.deepspeed_missing()}", flush=True)
+                    continue
                 micro_batch = args.micro_batch or MODELS[model]
                 m = measured(run_worker(engine, model, dtype, micro_batch, args.steps, args.accum))
                 e = estimate(engine, model, dtype, micro_batch, args.accum)

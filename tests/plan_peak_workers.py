@@ -1,6 +1,6 @@
 """Ranks of ``tests/test_plan_peak.py``: one training step's RSS peak on CPU, as
 ``recipes/plan_check.py`` measures it (returning malloc, one-time costs paid first, VmHWM reset
-through ``/proc/self/clear_refs`` before each phase), for yashard or FSDP2 on a small Llama."""
+through ``/proc/self/clear_refs`` before each phase), for yashard or FSDP2 (wrapped as torchtitan wraps it) on a small Llama."""
 
 from __future__ import annotations
 
@@ -74,6 +74,10 @@ def measure(rank: int, world: int, engine: str) -> dict:
 
         mesh = init_device_mesh("cpu", (world,))
         model = _model()
+        # as torchtitan wraps it (torchtitan/distributed/fsdp.py:252-265): the embedding alone,
+        # [norm, lm_head] kept gathered after forward, each layer, then the root (owning nothing)
+        fully_shard(model.model.embed_tokens, mesh=mesh)
+        fully_shard([model.model.norm, model.lm_head], mesh=mesh, reshard_after_forward=False)
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)

@@ -80,11 +80,14 @@ def test_peaks_sit_above_the_forward_end_and_grow_with_the_batch():
         acts = activations(shape, seq=32, micro_batch=mb, param_bytes=2)
         y = yashard_peak(1000, shape, acts)
         assert y.bytes >= 1000 + acts.forward_end + acts.loss_backward
-        f = fsdp2_peak(shape, acts, world=4, param_bytes=2)
-        # FSDP2 holds the root's unsharded parameters over the forward's end, and, while the loss
-        # runs, the last layer's all-gather output (freed by the root's post-forward)
-        assert any(m.name == "forward end (loss)" and m.bytes == f.state + fsdp2_forward_end(shape, acts, param_bytes=2)
-                   + shape.layer_numel * 2 + acts.loss_forward for m in f.moments)
+        # FSDP2 holds the lm_head's group's unsharded parameters over the forward's end, and, while
+        # the loss runs, the last group's all-gather output (freed by the root's post-forward): the
+        # last layer's with the root wrapping, [norm, lm_head]'s with torchtitan's
+        outer = shape.total_numel - shape.layers * shape.layer_numel
+        for root_group, last in ((True, shape.layer_numel), (False, outer - shape.embed_numel)):
+            f = fsdp2_peak(shape, acts, world=4, param_bytes=2, root_group=root_group)
+            assert any(m.name == "forward end (loss)" and m.bytes == f.state + fsdp2_forward_end(
+                shape, acts, param_bytes=2, root_group=root_group) + last * 2 + acts.loss_forward for m in f.moments)
         d = deepspeed_zero3_peak(shape, acts, world=4, param_bytes=2)
         assert d.bytes > deepspeed_estimator_bytes(shape, 4) + acts.forward_end
     small = fsdp2_peak(shape, activations(shape, seq=32, micro_batch=1, param_bytes=2), world=4, param_bytes=2)

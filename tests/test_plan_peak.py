@@ -1,6 +1,6 @@
 """The planner's activation and peak estimates against RSS measured on CPU at world 2, for one
-small Llama (4 layers, hidden 256, 4 x 256 tokens per rank, fp32), yashard and FSDP2 (each decoder
-layer, then the root): within 10%, as ``recipes/plan_check.py`` checks on the benchmark models.
+small Llama (4 layers, hidden 256, 4 x 256 tokens per rank, fp32), yashard and FSDP2 (as torchtitan
+wraps it: the embedding alone, each decoder layer, [norm, lm_head] kept, the root): within 10%, as ``recipes/plan_check.py`` checks on the benchmark models.
 Linux only (VmHWM is reset through ``/proc/self/clear_refs``)."""
 
 import pytest

@@ -61,6 +61,12 @@ def plan(model_or_config, *, world_size: int, config: ShardConfig | None = None,
     return plan_memory(memory_inputs(model, config, topo, backend))
 
 
+def grad_shard_bytes(plan: MemoryPlan) -> int:
+    """The bytes of ``plan``'s fp32 gradient shards (``4 N/W``): what the optimizer step in backward
+    removes (:func:`yashard.plan.activations.yashard_peak`'s ``step_in_backward_saves``)."""
+    return sum(r.bytes for r in plan.rows if r.name == "fp32 grad shards")
+
+
 def memory_inputs(model: nn.Module, config: ShardConfig, topo: Topology, backend: str) -> MemoryInputs:
     """What the plan is a formula of, from the model's shapes: the slots and units ``shard()`` would
     build on ``topo`` (no tensor is allocated), and the default comm hook's workspace."""

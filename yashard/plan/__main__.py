@@ -3,6 +3,7 @@
     python -m yashard.plan --config llama-3-70b --world 256 --gpu-memory 80GiB
     python -m yashard.plan --config llama-3-8b --world 8 --seq-len 4096 --micro-batch 1 --checkpoint-layers 32
     python -m yashard.plan --config path/to/config.json --world 64 --shard-group-size 8
+    python -m yashard.plan --config llama-3-8b --world 8 --checkpoint-layers 32 --loss chunked --step-in-backward
 
 Each row of the plan is marked fixed (the slots hold whole units, whatever the world size) or 1/W
 (this rank's share of the model), then the model state with AdamW against one GPU's memory. Then
@@ -11,6 +12,8 @@ yashard, FSDP2 and DeepSpeed ZeRO-3 (:mod:`yashard.plan.peers`), whether it fits
 micro-batch that does, and the communication of one step (:mod:`yashard.plan.comm`): bytes per
 rank and kind, message sizes, and their time at ``--bandwidth`` against the compute time at
 ``--tflops`` and ``--mfu``, for yashard with and without ZeRO++ and hybrid sharding, and the peers.
+``--loss chunked`` plans every engine with its loss in sequence chunks, ``--step-in-backward``
+yashard stepping each unit in the backward, ``--fsdp2-root-group`` FSDP2's old root wrapping.
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ from dataclasses import replace
 
 from ..config import ShardConfig, dtype_name
 from ..memory import MemoryPlan, dtype_bytes
-from . import BACKENDS, plan
-from .activations import ATTENTION, activations, shape_of, yashard_peak
+from . import BACKENDS, grad_shard_bytes, plan
+from .activations import ATTENTION, LOSSES, activations, shape_of, yashard_peak
 from .comm import Qgz, cross_node_sent, peer_collectives, step_seconds, summarize, unit_sizes, yashard_collectives
 from .peers import deepspeed_zero3_peak, fsdp2_peak
 from .presets import PRESETS, preset_config
@@ -106,32 +109,41 @@ def largest_micro_batch(peak_of, gpu_memory: int, limit: int = 1 << 16) -> int:
 
 def peaks_report(model, result: MemoryPlan, config: ShardConfig, world: int, *, seq: int, micro_batch: int,
                  checkpoint: int, attention: str, gpu_memory: int | None, backend: str = "nccl",
-                 grad_accum: int = 1) -> str:
+                 grad_accum: int = 1, loss: str = "hf", step_in_backward: bool = False,
+                 fsdp2_root_group: bool = False) -> str:
     """The activation estimate and the peaks of yashard, FSDP2 and ZeRO-3, with the largest
     micro-batch that fits ``gpu_memory``. The peers shard over all ``world`` ranks. With
     ``grad_accum`` micro-batches a step, FSDP2's peak is that of the second and later ones, which
-    start with the gradient shards of the earlier ones (yashard's and ZeRO-3's hold theirs anyway)."""
+    start with the gradient shards of the earlier ones (yashard's and ZeRO-3's hold theirs anyway).
+    ``loss``: ``"hf"`` (the model's own) or ``"chunked"`` (every engine, as torchtitan ships it).
+    ``step_in_backward``: yashard steps each unit in the backward, without its fp32 gradient shards.
+    ``fsdp2_root_group``: FSDP2 with the root holding the embedding, the norm and the lm_head,
+    instead of torchtitan's wrapping."""
     shape = shape_of(model)
     p = dtype_bytes(config.param_dtype)
     r = dtype_bytes(config.wire_dtype)
     state = result.total_bytes + result.adamw_bytes
+    saves = grad_shard_bytes(result) if step_in_backward else 0
 
     def acts_of(mb: int):
         return activations(shape, seq=seq, micro_batch=mb, param_bytes=p, checkpoint_layers=checkpoint,
-                           attention=attention)
+                           attention=attention, loss=loss)
 
     engines = {
-        "yashard": lambda mb: yashard_peak(state, shape, acts_of(mb)),
+        "yashard": lambda mb: yashard_peak(state, shape, acts_of(mb), step_in_backward_saves=saves),
         "FSDP2": lambda mb: fsdp2_peak(shape, acts_of(mb), world=world, param_bytes=p, reduce_bytes=r,
-                                       backend=backend, accumulating=grad_accum > 1),
+                                       backend=backend, accumulating=grad_accum > 1, root_group=fsdp2_root_group),
         "DeepSpeed ZeRO-3": lambda mb: deepspeed_zero3_peak(shape, acts_of(mb), world=world, param_bytes=p,
                                                             reduce_bytes=r, backend=backend),
     }
     acts = acts_of(micro_batch)
-    lines = [f"activations, micro-batch {micro_batch} x {seq} tokens, {checkpoint} checkpointed layers, {attention}:",
+    loss_line = (f"the loss runs in {acts.loss_chunks} sequence chunks, one chunk's logits and CE gradients "
+                 f"{_gib(acts.loss_chunk)} GiB" if acts.chunked else f"the loss's backward adds {_gib(acts.loss_backward)}")
+    lines = [f"activations, micro-batch {micro_batch} x {seq} tokens, {checkpoint} checkpointed layers, {attention}, "
+             f"{loss} loss:",
              f"  per layer {_gib(acts.layer)} GiB, per checkpointed layer {_gib(acts.checkpointed)} GiB, "
              f"head {_gib(acts.head)} GiB, logits {_gib(acts.logits)} GiB",
-             f"  at the forward's end {_gib(acts.forward_end)} GiB; the loss's backward adds {_gib(acts.loss_backward)}, "
+             f"  at the forward's end {_gib(acts.forward_end)} GiB; {loss_line}, "
              f"a layer's weight gradients {_gib(acts.layer_grads)}",
              "  (yashard: autograd computes all of a layer's weight gradients before Narrow copies them into the "
              "gradient slot, so for a moment they exist outside the plan: in the peaks below)",
@@ -145,6 +157,12 @@ def peaks_report(model, result: MemoryPlan, config: ShardConfig, world: int, *, 
         lines.append(line)
     lines.append("  state: held between steps (yashard: plan + AdamW; FSDP2: fp32 shards + AdamW; ZeRO-3: its "
                  "partitions, fp32 masters, gradient partitions, AdamW, persistent parameters and gradient bucket)")
+    lines.append("  FSDP2: " + ("the root holds the embedding, the final norm and the lm_head (--fsdp2-root-group)"
+                                if fsdp2_root_group else "wrapped as torchtitan does: the embedding alone, each layer, "
+                                "[norm, lm_head] kept gathered (--fsdp2-root-group: the old root wrapping)"))
+    if step_in_backward:
+        lines.append(f"  yashard steps each unit in the backward (--step-in-backward): no fp32 gradient shards, "
+                     f"{_gib(saves)} GiB less; the peers step after the backward")
     lines.append(f"  {grad_accum} micro-batch{'es' if grad_accum > 1 else ''} a step: " + (
         f"FSDP2's peak is a later micro-batch's, with its fp32 gradient shards ({_gib(4 * shape.total_numel // world)}"
         " GiB) held from the first" if grad_accum > 1 else
@@ -226,6 +244,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint-layers", type=int, default=0, help="ShardConfig.checkpoint_layers")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (gradient accumulation)")
     p.add_argument("--attention", choices=ATTENTION, default="sdpa", help="the model's attention implementation")
+    p.add_argument("--loss", choices=LOSSES, default="hf",
+                   help="hf: the model computes its loss on the full logits; chunked: every engine runs the lm_head "
+                        "and the loss in sequence chunks (torchtitan's default; yashard's fused loss)")
+    p.add_argument("--step-in-backward", action="store_true",
+                   help="yashard steps each unit's optimizer in the backward: no fp32 gradient shards")
+    p.add_argument("--fsdp2-root-group", action="store_true",
+                   help="FSDP2 with the old root wrapping (embedding, norm and lm_head in the root), not torchtitan's")
     p.add_argument("--bandwidth", type=_rate, default=parse_bytes("50GB"),
                    help="bytes per second one rank sends across nodes, e.g. 50GB/s")
     p.add_argument("--node-bandwidth", type=_rate, default=None,
@@ -236,6 +261,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if min(args.seq_len, args.micro_batch, args.ranks_per_node, args.grad_accum) < 1 or args.checkpoint_layers < 0:
         p.error("--seq-len, --micro-batch, --grad-accum and --ranks-per-node must be >= 1, --checkpoint-layers >= 0")
+    if args.step_in_backward and args.grad_accum > 1:
+        p.error(f"--step-in-backward with --grad-accum {args.grad_accum}: the step in backward consumes each "
+                "gradient as it is reduced, so it cannot accumulate micro-batches; use --grad-accum 1 or drop "
+                "--step-in-backward")
     if not (0 < args.mfu <= 1) or args.tflops <= 0:
         p.error("--tflops must be > 0 and --mfu in (0, 1]")
     if args.config not in PRESETS and not os.path.exists(args.config):
@@ -270,9 +299,15 @@ def main(argv: list[str] | None = None) -> int:
     hint = _shared_outer_hint(model, result, config, args.world, args.backend)
     if hint:
         print(hint)
+    if args.step_in_backward:
+        saved = grad_shard_bytes(result)
+        print(f"  with --step-in-backward: no fp32 grad shards, model state "
+              f"{(result.total_bytes + result.adamw_bytes - saved) / 2**30:.3f} GiB, {saved / 2**30:.3f} GiB less "
+              "(each unit steps from its reduce-scatter output)")
     print(peaks_report(model, result, config, args.world, seq=args.seq_len, micro_batch=args.micro_batch,
                        checkpoint=args.checkpoint_layers, attention=args.attention, gpu_memory=args.gpu_memory,
-                       backend=args.backend, grad_accum=args.grad_accum))
+                       backend=args.backend, grad_accum=args.grad_accum, loss=args.loss,
+                       step_in_backward=args.step_in_backward, fsdp2_root_group=args.fsdp2_root_group))
     print(comm_report(model, config, args.world, tokens=args.seq_len * args.micro_batch, checkpoint=args.checkpoint_layers,
                       bandwidth=args.bandwidth, node_bandwidth=args.node_bandwidth or args.bandwidth,
                       ranks_per_node=args.ranks_per_node, tflops=args.tflops, mfu=args.mfu,
@@ -281,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # ShardConfig's fields as the command line names them, for its error messages.
-_FLAGS = {"checkpoint_layers": "--checkpoint-layers", "shard_group_size": "--shard-group-size",
+_FLAGS = {"Use share_outer_slot=False (the default)": "Drop --share-outer-slot (it is off by default)",
+          "checkpoint_layers": "--checkpoint-layers", "shard_group_size": "--shard-group-size",
           "secondary_group_size": "--secondary-group-size", "quantized_weights": "--quantized-weights",
           "param_dtype": "--param-dtype", "reduce_dtype": "--reduce-dtype", "reshard_after_forward=False": "--no-reshard",
           "share_outer_slot=True": "--share-outer-slot", "share_outer_slot=False (the default)": "no --share-outer-slot",
@@ -312,7 +348,9 @@ def _as_flags(message: str) -> str:
     """A ShardConfig or plan error with its fields named as the command line's flags."""
     message = message.replace("ShardConfig.", "")
     for field, flag in _FLAGS.items():
-        message = re.sub(rf"\b{re.escape(field)}\b", flag, message)
+        # (a word boundary only where the field starts or ends with a word character)
+        pattern = (r"\b" if field[0].isalnum() else "") + re.escape(field) + (r"\b" if field[-1].isalnum() else "")
+        message = re.sub(pattern, flag, message)
     return message
 
 

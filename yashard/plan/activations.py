@@ -26,6 +26,21 @@ What one decoder layer keeps, by op (counted with a saved-tensor hook on transfo
 The head keeps the final norm's tensors, as above, and the log-probabilities ``n*V*4``: the loss
 upcasts the logits. The logits themselves, ``n*V*p``, stay alive with the model's output. Shared
 by all: the token ids and the shifted labels, ``n*8`` each, and the rotary tables, ``2*s*d*p``.
+
+The backward of a layer rises above its recomputed activations while the MLP's ``Mul`` backward
+runs (``mlp_transient``): down_proj's backward has freed the product and made its input gradient
+and its weight gradient, and the ``Mul`` backward makes the gradients of its two inputs, so
+``2*n*i*p + h*i*p`` sit on top, plus ``2*n*h*p`` of the layer's input and output gradients. The
+gate and up weight gradients come only after the ``Mul``'s saved tensors are freed (autograd frees
+a node's saved tensors after it runs). Measured on CPU, peak inside ``aten::mul``: within 0.1% at
+the 70B ratios and 3% at the 8B ratios (``shared/reference/peak-memory-audit.md``, section 5).
+
+``loss="chunked"`` (:data:`LOSSES`): the lm_head and the cross-entropy run on ``loss_chunks``
+sequence chunks, as torchtitan's ``ChunkedLossWrapper`` (``torchtitan/components/loss.py:501``,
+8 chunks by default at ``:544``) and yashard's fused linear cross-entropy do. Neither the full
+logits nor their fp32 log-probabilities or gradients exist: ``logits`` and the head's
+log-probabilities are 0, and ``loss_chunk`` is one chunk's logits, log-probabilities and CE
+gradients, ``c*V*(p + 12)`` for ``c = n / loss_chunks`` tokens (the full loss's terms at ``c``).
 """
 
 from __future__ import annotations
@@ -34,6 +49,9 @@ import os
 from dataclasses import dataclass
 
 ATTENTION = ("sdpa", "flash_attention_2", "eager")
+# How the loss runs: the HF model's own (full logits, upcast to fp32) or in sequence chunks.
+LOSSES = ("hf", "chunked")
+LOSS_CHUNKS = 8  # torchtitan's ChunkedLossWrapper.Config.num_chunks (torchtitan/components/loss.py:544)
 # The model types whose layers keep what :func:`activations` counts; others are refused.
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
 
@@ -115,12 +133,24 @@ class Activations:
     loss_forward: int         # the fp32 copy of the logits while the loss runs (0 in fp32)
     loss_backward: int        # the loss's backward: the log-probabilities' gradient and the logits' one, fp32
     layer_grads: int          # one layer's weight gradients in p: autograd holds them all at the layer's end
-    mlp_backward: int         # the MLP's activation gradients in flight, 2*n*i*p
+    mlp_transient: int        # above the recomputed layer in the MLP's Mul backward: 2*n*i*p + h*i*p + 2*n*h*p
     io: int                   # a layer's input or output gradient, n*h*p
+    loss: str = "hf"          # LOSSES
+    loss_chunk: int = 0       # chunked: one chunk's logits, fp32 log-probabilities and CE gradients
+    loss_chunks: int = 1      # chunked: how many sequence chunks
+
+    @property
+    def chunked(self) -> bool:
+        return self.loss == "chunked"
 
     def kept(self, k: int) -> int:
         """What layer ``k`` keeps from its forward to its backward."""
         return self.checkpointed if k < self.checkpoint_layers else self.layer
+
+    def in_backward(self, k: int) -> int:
+        """What of layer ``k`` is alive in its backward: its activations, recomputed when it is
+        checkpointed, on top of the input the checkpoint keeps."""
+        return self.layer + (self.checkpointed if k < self.checkpoint_layers else 0)
 
     @property
     def layers_kept(self) -> int:
@@ -133,11 +163,17 @@ class Activations:
 
 
 def activations(shape: ModelShape, *, seq: int, micro_batch: int, param_bytes: int, checkpoint_layers: int = 0,
-                attention: str = "sdpa") -> Activations:
+                attention: str = "sdpa", loss: str = "hf", loss_chunks: int = LOSS_CHUNKS) -> Activations:
     """The activation estimate of one micro-batch of ``micro_batch`` sequences of ``seq`` tokens in
-    a compute dtype of ``param_bytes`` bytes, the first ``checkpoint_layers`` layers checkpointed."""
+    a compute dtype of ``param_bytes`` bytes, the first ``checkpoint_layers`` layers checkpointed,
+    the loss the HF model's own (``loss="hf"``) or in ``loss_chunks`` sequence chunks
+    (``loss="chunked"``)."""
     if attention not in ATTENTION:
         raise ValueError(f"attention={attention!r}: the estimate knows {', '.join(map(repr, ATTENTION))}")
+    if loss not in LOSSES:
+        raise ValueError(f"loss={loss!r}: the estimate knows {', '.join(map(repr, LOSSES))}")
+    if not isinstance(loss_chunks, int) or loss_chunks < 1:
+        raise ValueError(f"loss_chunks={loss_chunks!r}: the number of sequence chunks of the loss, an int >= 1")
     if min(seq, micro_batch, param_bytes) < 1 or checkpoint_layers < 0:
         raise ValueError("seq, micro_batch and param_bytes must be >= 1, checkpoint_layers >= 0")
     if shape.family not in FAMILIES:
@@ -159,10 +195,16 @@ def activations(shape: ModelShape, *, seq: int, micro_batch: int, param_bytes: i
         attn += n * (q + kv) * (4 + p) + n * (shape.heads + shape.kv_heads) * 4
     layer = 2 * norm + attn + 4 * n * i * p
     v = shape.vocab
-    return Activations(
-        tokens=n, layer=layer, checkpointed=n * h * p, checkpoint_layers=min(checkpoint_layers, shape.layers),
-        layers=shape.layers, head=norm + n * v * 4 + 16 * n + 2 * seq * shape.head_dim * p + 4 + (p if gemma else 0), logits=n * v * p, loss_forward=n * v * 4 if p != 4 else 0,
-        loss_backward=2 * n * v * 4, layer_grads=shape.layer_matrix_numel * p, mlp_backward=2 * n * i * p, io=n * h * p)
+    shared = 16 * n + 2 * seq * shape.head_dim * p + 4 + (p if gemma else 0)  # ids, labels, rope, Gemma's scale
+    common = dict(tokens=n, layer=layer, checkpointed=n * h * p, checkpoint_layers=min(checkpoint_layers, shape.layers),
+                  layers=shape.layers, layer_grads=shape.layer_matrix_numel * p,
+                  mlp_transient=2 * n * i * p + h * i * p + 2 * n * h * p, io=n * h * p)
+    if loss == "chunked":
+        chunk = -(-n // loss_chunks)
+        return Activations(**common, head=norm + shared, logits=0, loss_forward=0, loss_backward=0, loss="chunked",
+                           loss_chunk=chunk * v * (p + 12), loss_chunks=loss_chunks)
+    return Activations(**common, head=norm + n * v * 4 + shared, logits=n * v * p, loss_forward=n * v * 4 if p != 4 else 0,
+                       loss_backward=2 * n * v * 4)
 
 
 @dataclass(frozen=True)
@@ -190,28 +232,51 @@ class Peak:
         return max(self.moments, key=lambda m: m.bytes).name
 
 
-def yashard_peak(state: int, shape: ModelShape, acts: Activations) -> Peak:
+FUSED_CHUNK_TOKENS = 1024  # yashard's fused loss: tokens per chunk (ShardConfig.loss_chunk_tokens, issue 42)
+
+
+def yashard_peak(state: int, shape: ModelShape, acts: Activations, *, step_in_backward_saves: int = 0,
+                 loss_chunk_tokens: int = FUSED_CHUNK_TOKENS) -> Peak:
     """yashard's peak: ``state`` (the memory plan and AdamW's moments, held from step one) plus the
     activations and the backward's transients. Nothing of yashard's own is allocated in a step, so
     the candidates are the forward's end, the loss's backward, the lm_head's backward (its weight
     gradient, ``V*h*p``, before it is copied into the slot) and each layer's backward: autograd
     computes all of a layer's weight gradients, ``p`` each, before the nodes that copy them into
-    the gradient slot run, while the MLP's activation gradients, or a checkpointed layer's
-    recompute, come on top of the lower layers' activations."""
+    the gradient slot run, while the MLP's ``Mul`` backward (``acts.mlp_transient``), or a
+    checkpointed layer's recompute, come on top of the lower layers' activations.
+
+    With a chunked loss (yashard's fused linear cross-entropy, chunks of ``loss_chunk_tokens``
+    tokens) the loss's moment is one chunk of ``c`` tokens: its logits in ``p``, their fp32 upcast
+    and fp32 log-probabilities, ``c*V*(p + 8)``, over the hidden states' gradient in ``p``; the
+    lm_head's weight gradient is added into its gradient slot, so no lm_head moment, and no logits
+    stay alive in the layers' backward.
+
+    ``step_in_backward_saves``: the bytes of ``state`` that the optimizer step in backward removes,
+    the fp32 gradient shards (``4 N/W``, :func:`yashard.plan.grad_shard_bytes`): each unit steps
+    from the reduce-scatter output it already holds, so no buffer replaces them."""
+    if step_in_backward_saves < 0 or step_in_backward_saves > state:
+        raise ValueError(f"step_in_backward_saves={step_in_backward_saves}: the fp32 gradient shards' bytes, between 0 "
+                         f"and the state ({state})")
+    state -= step_in_backward_saves
     fwd = state + acts.forward_end
-    p = acts.logits // (acts.tokens * shape.vocab)
-    head_grad = shape.vocab * shape.hidden * p
-    moments = [
-        Moment("forward end", fwd + acts.loss_forward),
-        Moment("loss backward", fwd + acts.loss_backward),
-        Moment("lm_head backward", fwd - acts.head + acts.logits + head_grad + acts.io),
-    ]
+    p = acts.io // (acts.tokens * shape.hidden)
+    if acts.chunked:
+        if not isinstance(loss_chunk_tokens, int) or loss_chunk_tokens < 1:
+            raise ValueError(f"loss_chunk_tokens={loss_chunk_tokens!r}: the fused loss's tokens per chunk, an int >= 1")
+        chunk = min(acts.tokens, loss_chunk_tokens) * shape.vocab * (p + 8)
+        moments = [Moment("forward end", fwd), Moment("loss (one chunk)", fwd + acts.io + chunk)]
+    else:
+        head_grad = shape.vocab * shape.hidden * p
+        moments = [
+            Moment("forward end", fwd + acts.loss_forward),
+            Moment("loss backward", fwd + acts.loss_backward),
+            Moment("lm_head backward", fwd - acts.head + acts.logits + head_grad + acts.io),
+        ]
     below = acts.layers_kept
     for k in reversed(range(shape.layers)):
         below -= acts.kept(k)
         base = state + below + acts.logits
-        mlp = min(3 * shape.largest_matrix, shape.layer_matrix_numel)  # the MLP's three weights
         moments.append(Moment(f"layer {k} backward", base + max(
-            acts.layer + mlp * p + acts.mlp_backward,  # in the MLP's backward
-            acts.layer_grads + 2 * acts.io)))                                       # at the layer's end
+            acts.in_backward(k) + acts.mlp_transient,  # in the MLP's Mul backward
+            acts.layer_grads + 2 * acts.io)))       # at the layer's end
     return Peak("yashard", tuple(moments), state)

@@ -4,10 +4,16 @@ Pure functions of the model's shapes (:class:`~yashard.plan.activations.ModelSha
 activation estimate; each returns a :class:`~yashard.plan.activations.Peak`, so the command line
 and ``recipes/plan_check.py`` put them next to yashard's.
 
-**FSDP2** (``torch.distributed.fsdp.fully_shard``, torch 2.13), wrapped as torchtitan wraps it:
-one ``fully_shard`` per decoder layer, then one on the root (the embedding, the final norm and the
-lm_head). :func:`fsdp2_peak` replays one training step, allocation by allocation, by the rules of
-``torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py`` and ``_fsdp_collectives.py``:
+**FSDP2** (``torch.distributed.fsdp.fully_shard``, torch 2.13). By default it is wrapped as
+torchtitan wraps it since its PR #1094 (2025-07), to its HEAD b5bcd76 (2026-08): the embedding
+alone, resharded after forward; each decoder layer; ``[norm, lm_head]`` one group with
+``reshard_after_forward=False``; ``fully_shard(model)`` last, owning no parameter
+(``torchtitan/distributed/fsdp.py:252-265``, the same in its HF-transformers backend). A tied
+model is one group of the embedding, the norm and the lm_head, kept (``fsdp.py:238-250``).
+``root_group=True`` (``--fsdp2-root-group``) is the older wrapping: each layer, then the root
+holding the embedding, the norm and the lm_head, not resharded after forward
+(``reshard_after_forward=None`` is False for the root: ``_fully_shard.py:246``).
+:func:`fsdp2_peak` replays one training step, allocation by allocation:
 
 - between steps a rank holds its fp32 parameter shards and AdamW's two moments, ``12 N/W`` bytes;
   ``zero_grad(set_to_none=True)`` frees the gradient shards (``FSDPParamGroup.post_backward``
@@ -15,15 +21,28 @@ lm_head). :func:`fsdp2_peak` replays one training step, allocation by allocation
 - an all-gather allocates the group's flat output, ``P*p``; the copy-out allocates the unsharded
   parameters, ``P*p`` again. In forward the flat output is kept until the next group's copy-out
   (``wait_for_unshard``: ``comm_ctx.all_gather_state``), in backward it is freed at once;
-- the root is not resharded after forward (``reshard_after_forward=None`` is False for the root):
-  its unsharded parameters stay from its gather to the end of the backward, and so do its
-  unsharded gradients (the lm_head's first, the embedding's last);
-- in backward each layer prefetches the next one's all-gather (``_backward_prefetch``); the root's
-  pre-backward prefetches the last layer;
-- a layer's unsharded gradients, ``P*p``, all exist at its post-backward. There it reshards, copies
-  them into a reduce-scatter input in the reduce dtype, ``P*r`` (``foreach_reduce``), frees them,
-  allocates the output, ``P/W*r``, which becomes the gradient shard, and keeps the input until the
-  next group's post-backward (``comm_ctx.reduce_scatter_states``, one buffer by default);
+- pre-backward hooks go on every grad-requiring tensor of a wrapped module's output
+  (``_fsdp_state.py:434-452``). With the root wrapping the root's hook sits on the loss the HF
+  model returns: it fires before the loss's backward and prefetches the last layer
+  (``_fsdp_param_group.py:795``). With torchtitan's the root owns nothing, and the hook of
+  ``[norm, lm_head]`` sits on the logits: the prefetch comes after the loss's backward;
+- the group holding the lm_head keeps its unsharded parameters and gradients to its
+  post-backward: the backward's end for the root, right after the final norm's backward for
+  ``[norm, lm_head]``;
+- a group's unsharded gradients, ``P*p``, all exist at its post-backward. There it reshards, drops
+  the previous reduce-scatter input (``_fsdp_param_group.py:647-659``, one buffer by default),
+  allocates a reduce-scatter input in the reduce dtype, ``P*r``, and copies the gradients in while
+  they live (the copy-in moment, ``_fsdp_collectives.py:597-606``), frees them, allocates the
+  output, ``P/W*r``, which becomes the gradient shard, and keeps the input until the next group's
+  post-backward;
+- a layer's backward rises above its recomputed activations by ``acts.mlp_transient`` (see
+  :mod:`yashard.plan.activations`);
+- ``loss="chunked"``: torchtitan's ``ChunkedLossWrapper`` (``torchtitan/components/loss.py``)
+  after the model's forward: the lm_head kept gathered (``:663``), one backward per chunk into its
+  unsharded bf16 gradient (``:696``), the hidden states' gradient accumulated in fp32
+  (``GradAccumulator``, ``:639``), one reduce-scatter at the last chunk (``:665``, ``:680``), then
+  ``lm_head.reshard()`` (``:706``); the decoder's backward starts at the final norm, whose group
+  gathers again;
 - over gloo, both collectives stage a temporary the size of the unsharded tensor (measured with
   ``recipes/plan_check.py``); NCCL does not;
 - with gradient accumulation every micro-batch after the first starts with the gradient shards of
@@ -37,8 +56,10 @@ in its docstring and :func:`deepspeed_state_bytes`'s), with the defaults of
 elements) stay whole on every rank; ``stage3_prefetch_bucket_size`` (5e7 elements) of gathered
 parameters run ahead; a gathered module stays gathered until its next use when that comes within
 ``stage3_max_reuse_distance`` (1e9) elements of the trace; ``stage3_max_live_parameters`` (1e9)
-caps the gathered parameters; gradients go through a ``reduce_bucket_size`` (5e8 elements)
-bucket. Measured on CPU at world 2 (``recipes/plan_check.py``): within 3% on the benchmark models.
+caps only the prefetches (``partitioned_param_coordinator.py:453``): a module's own gather is
+whole; gradients go through a ``reduce_bucket_size`` (5e8 elements)
+bucket. ``loss="chunked"``: torchtitan's chunked loss run on it (DeepSpeed has none of its own).
+Measured on CPU at world 2 (``recipes/plan_check.py``): within 3% on the benchmark models.
 DeepSpeed's own estimator (:func:`deepspeed_estimator_bytes`, ``18 N/W`` plus the largest layer)
 leaves out the bucket, the persistent parameters and the gathered ones, and is kept for reference.
 """
@@ -71,19 +92,28 @@ class _Timeline:
 
 
 def fsdp2_peak(shape: ModelShape, acts: Activations, *, world: int, param_bytes: int, reduce_bytes: int = 4,
-               backend: str = "nccl", accumulating: bool = False) -> Peak:
+               backend: str = "nccl", accumulating: bool = False, root_group: bool = False) -> Peak:
     """FSDP2's peak per rank for one micro-batch (see the module docstring for the rules), with
     fp32 parameters, ``param_bytes`` compute (``MixedPrecisionPolicy.param_dtype``), gradients
     reduced in ``reduce_bytes``, fused AdamW. Parameters are padded to a multiple of ``world``
     rows, which is left out. ``accumulating``: a micro-batch after the first of a step, which
-    starts with the fp32 gradient shards of the earlier ones."""
+    starts with the fp32 gradient shards of the earlier ones. ``root_group``: the old wrapping
+    (the root holds the embedding, the final norm and the lm_head) instead of torchtitan's."""
     w, p, r = world, param_bytes, reduce_bytes
     gloo = backend == "gloo" and w > 1
     layer = shape.layer_numel
-    root = shape.total_numel - shape.layers * layer
+    outer = shape.total_numel - shape.layers * layer      # embedding, final norm, lm_head, the rest
+    head_numel = shape.lm_head_numel or shape.embed_numel  # the lm_head's weight (tied: the embedding's)
+    # The group holding the lm_head stays gathered, with its gradients, to the backward's end: the
+    # root (root_group), or torchtitan's one group of a tied model (fsdp.py:238-250). Otherwise the
+    # embedding is its own group and [norm, lm_head] another (fsdp.py:252-265).
+    to_end = root_group or shape.tied
+    embed = 0 if to_end else shape.embed_numel
+    head = outer - embed                                  # the group holding the lm_head
     state = 12 * shape.total_numel // w
     t = _Timeline(state + (4 * shape.total_numel // w if accumulating else 0))
     staging = (lambda numel, b: numel * b) if gloo else (lambda numel, b: 0)
+    hidden_grad = acts.tokens * shape.hidden * 4          # chunked: the fp32 hidden-state gradient, accumulated
 
     def reduce_output(name: str, numel: int, extra: int) -> None:
         """The reduce-scatter's output: the new gradient shard, or, accumulating, a temporary
@@ -94,68 +124,127 @@ def fsdp2_peak(shape: ModelShape, acts: Activations, *, world: int, param_bytes:
         if accumulating:
             t.add(-out)
 
-    def gather(name: str, numel: int, kept_output: int) -> None:
-        t.add(numel * p)                                  # the flat all-gather output
-        t.mark(name + ": all-gather", staging(numel, p) + kept_output)
+    retained = 0
 
-    # forward: the root's gather, then each layer's; the previous flat output waits for the copy-out
-    gather("forward root", root, 0)
-    t.add(root * p)                                       # the root's unsharded parameters, kept
-    kept = root * p                                       # the root's flat output, kept in forward
-    for k in range(shape.layers):
-        t.add(layer * p)
-        t.mark(f"forward layer {k}: all-gather", staging(layer, p))
+    def post_backward(name: str, params: int, grads: int, reshard: bool = True) -> None:
+        """A group's post-backward (_fsdp_param_group.py:588-690): reshard, drop the previous
+        reduce-scatter input (:647-659), allocate the fp32 input and copy the bf16 gradients in
+        while they live (_fsdp_collectives.py:597-606), free them, the output becomes the shard."""
+        nonlocal retained
+        if reshard:
+            t.add(-params * p)
+        t.add(-retained)
+        t.add(grads * r)
+        t.mark(f"{name} reduce-scatter: copy-in")
+        t.add(-grads * p)
+        reduce_output(f"{name} reduce-scatter", grads, staging(grads, r))
+        retained = grads * r
+
+    # forward: each group's all-gather output waits for the next group's copy-out
+    kept = 0
+
+    def forward_gather(name: str, numel: int) -> None:
+        nonlocal kept
+        t.add(numel * p)
+        t.mark(f"forward {name}: all-gather", staging(numel, p))
         t.add(-kept)                                      # the previous flat output, freed
-        t.add(layer * p)                                  # copy-out: this layer's unsharded parameters
-        kept = layer * p
+        t.add(numel * p)                                  # copy-out: the unsharded parameters
+        kept = numel * p
+
+    if to_end:
+        forward_gather("root" if root_group else "embedding, norm and lm_head", head)
+    else:
+        forward_gather("embedding", embed)
+        t.add(-embed * p)                                 # resharded after forward
+    for k in range(shape.layers):
+        forward_gather(f"layer {k}", layer)
         t.add(acts.kept(k))
         t.mark(f"forward layer {k}")
         t.add(-layer * p)                                 # resharded after forward
+    if not to_end:
+        forward_gather("norm and lm_head", head)          # reshard_after_forward=False: kept
     t.add(acts.head + acts.logits)
-    t.mark("forward end (loss)", acts.loss_forward)
+    if not acts.chunked:
+        t.mark("forward end (loss)", acts.loss_forward)
     t.add(-kept)                                          # the root's post-forward frees the last flat output
-
-    # backward: the root prefetches the last layer; the loss and the lm_head run on the root's weights
-    gather_out = layer * p
-    t.add(gather_out)
-    t.mark("backward: prefetch of the last layer", staging(layer, p))
-    t.mark("loss backward", acts.loss_backward)
-    t.add(-acts.head + shape.lm_head_numel * p)           # the lm_head's unsharded gradient stays
-    t.mark("lm_head backward", acts.logits + acts.io)
-    retained = 0
+    if acts.chunked:
+        # torchtitan's ChunkedLossWrapper (components/loss.py:620-712), after the model's forward:
+        # the lm_head kept gathered, a backward per chunk into the unsharded bf16 lm_head gradient,
+        # the hidden-state gradient accumulated in fp32 (GradAccumulator, :639), one reduce-scatter
+        # at the last chunk (set_requires_gradient_sync, :665 and :680), then lm_head.reshard() (:706)
+        t.mark("forward end")
+        t.add(hidden_grad)
+        t.mark("loss: first chunk", acts.loss_chunk)
+        t.add(head_numel * p)                             # the lm_head's unsharded gradient, accumulated
+        head_grads = head_numel
+        t.mark("loss: a later chunk", acts.loss_chunk)
+        if not to_end:
+            post_backward("lm_head (last chunk)", 0, head_numel, reshard=False)
+            head_grads = 0
+            t.add(-head * p)                              # lm_head.reshard()
+        t.add(-hidden_grad + acts.io)                     # the accumulated gradient, cast to p, saved for the backward
+        # the decoder's backward starts at the final norm: its group's pre-backward re-gathers it
+        if not to_end:
+            t.add(head * p)
+            t.mark("final norm pre-backward: all-gather", staging(head, p))
+        t.add(layer * p)
+        t.mark("final norm backward: prefetch of the last layer", staging(layer, p) + acts.io)
+        t.add(-acts.io - acts.head)                       # (the final norm's saved tensors, freed)
+        if not to_end:
+            t.add((head - head_numel) * p)                # the final norm's gradient
+            post_backward("norm", head, head - head_numel)
+    else:
+        if root_group:
+            # the root's pre-backward hook sits on the loss (_fsdp_state.py:434-452): it fires
+            # before the loss's backward and prefetches the last layer (_fsdp_param_group.py:795)
+            t.add(layer * p)
+            t.mark("backward: prefetch of the last layer", staging(layer, p))
+        t.mark("loss backward", acts.loss_backward)
+        if not root_group:
+            # the hook of the lm_head's group sits on the logits: after the loss's backward
+            t.add(layer * p)
+            t.mark("lm_head pre-backward: prefetch of the last layer", staging(layer, p))
+        t.add(-acts.head + head_numel * p)                # the lm_head's unsharded gradient
+        head_grads = head_numel
+        t.mark("lm_head backward", acts.logits + acts.io)
+        if not to_end:
+            t.add((head - head_numel) * p)                # the final norm's gradient
+            post_backward("norm and lm_head", head, head)
     for k in reversed(range(shape.layers)):
         t.mark(f"layer {k} pre-backward: copy-out", layer * p)
         # (the unsharded parameters replace the flat output: the same size)
         if k > 0:
             t.add(layer * p)
             t.mark(f"layer {k} pre-backward: prefetch of layer {k - 1}", staging(layer, p))
-        # in the MLP's backward: the layer's activations (recomputed when checkpointed), the MLP's
-        # weight gradients and its activation gradients; at the end, all of its unsharded gradients
-        mlp = min(3 * shape.largest_matrix, shape.layer_matrix_numel) * p
-        t.mark(f"layer {k} backward (MLP)", acts.layer - acts.kept(k) + mlp + acts.mlp_backward)
+        elif embed:
+            t.add(embed * p)
+            t.mark("layer 0 pre-backward: prefetch of the embedding", staging(embed, p))
+        # in the MLP's Mul backward: the layer's activations (recomputed when checkpointed) and the
+        # rise above them (acts.mlp_transient); at the end, all of its unsharded gradients
+        t.mark(f"layer {k} backward (MLP)", acts.in_backward(k) - acts.kept(k) + acts.mlp_transient)
         t.add(-acts.kept(k))
         t.add(layer * p)
         t.mark(f"layer {k} backward end", 2 * acts.io)
-        t.add(-layer * p)                                 # post-backward: reshard
-        t.add(-retained)                                  # the previous reduce-scatter input, freed
-        t.add(layer * r)                                  # the reduce-scatter input, copied in
-        t.add(-layer * p)                                 # the unsharded gradients, freed
-        reduce_output(f"layer {k} reduce-scatter", layer, staging(layer, r))  # the output: the gradient shard
-        retained = layer * r
-    # the embedding's gradient, then the root's reduction at the end of the backward
-    t.add(shape.embed_numel * p + (root - shape.embed_numel - shape.lm_head_numel) * p)
-    t.mark("embedding backward", acts.io)
-    t.add(-root * p)                                      # the root reshards
-    t.add(-retained + root * r)
-    t.add(-root * p)
-    reduce_output("root reduce-scatter", root, staging(root, r))
+        post_backward(f"layer {k}", layer, layer)
+    if embed:
+        t.add(embed * p)
+        t.mark("embedding backward", acts.io)
+        post_backward("embedding", embed, embed)
+    else:
+        # the root's (or the tied group's) gradients: the embedding's, then its reduction at the end
+        t.add((head - head_grads) * p)                   # the embedding's and the final norm's
+        t.mark("embedding backward", acts.io)
+        post_backward("root" if root_group else "embedding, norm and lm_head", head, head)
     return Peak("fsdp2", tuple(t.moments), state)
 
 
-def fsdp2_forward_end(shape: ModelShape, acts: Activations, *, param_bytes: int) -> int:
-    """What FSDP2 adds from a step's start to its forward's end: the activations and the root's
-    unsharded parameters, kept for the backward."""
-    return acts.forward_end + (shape.total_numel - shape.layers * shape.layer_numel) * param_bytes
+def fsdp2_forward_end(shape: ModelShape, acts: Activations, *, param_bytes: int, root_group: bool = False) -> int:
+    """What FSDP2 adds from a step's start to its forward's end: the activations and the unsharded
+    parameters of the group holding the lm_head, kept for the backward (the root's, or torchtitan's
+    ``[norm, lm_head]``)."""
+    outer = shape.total_numel - shape.layers * shape.layer_numel
+    kept = outer if root_group or shape.tied else outer - shape.embed_numel
+    return acts.forward_end + kept * param_bytes
 
 
 def deepspeed_estimator_bytes(shape: ModelShape, world: int) -> int:
@@ -221,7 +310,7 @@ def deepspeed_zero3_peak(shape: ModelShape, acts: Activations, *, world: int, pa
     - Forward: each module's parameters are gathered, ``p`` each, and stay gathered into the
       backward when their next use is under ``stage3_max_reuse_distance`` elements away (the last
       layers and the lm_head; on small models everything); ``stage3_prefetch_bucket_size``
-      elements of the others run ahead; ``stage3_max_live_parameters`` caps the total.
+      elements of the others run ahead; ``stage3_max_live_parameters`` caps the prefetch only.
     - Backward: a module's gathered parameters are released after its backward (their next use is
       the next step). Its weight gradients, ``p`` each, are copied into the bucket and freed.
     - The bucket is reduce-scattered when full and at the backward's end (``reduce_scatter_coalesced``):
@@ -240,17 +329,26 @@ def deepspeed_zero3_peak(shape: ModelShape, acts: Activations, *, world: int, pa
     embed_kept = 2 * (shape.layers * shape.layer_numel + shape.lm_head_numel) <= DS_MAX_REUSE_DISTANCE
     released = shape.layers - kept
 
-    def live(numel: int) -> int:
-        return min(DS_MAX_LIVE_PARAMETERS, numel) * p
+    def live(required: int, prefetch: int) -> int:
+        """Gathered bytes: the parameters a module needs now or keeps by reuse distance, whole,
+        and the prefetch, which stops at ``stage3_max_live_parameters`` (only prefetches are
+        capped: partitioned_param_coordinator.py:453, DeepSpeed 0.19.8)."""
+        return (required + max(0, min(prefetch, DS_PREFETCH_BUCKET, DS_MAX_LIVE_PARAMETERS - required))) * p
 
     # at the forward's end: the kept layers, the lm_head, the embedding if kept, and the prefetch
     # of the first layers the backward re-gathers
-    fwd_gathered = live(kept * layer + head + (embed if embed_kept else 0) + min(DS_PREFETCH_BUCKET, released * layer))
+    fwd_gathered = live(kept * layer + head + (embed if embed_kept else 0), released * layer)
     fwd = state + acts.forward_end
-    moments = [Moment("forward end", fwd + fwd_gathered + acts.loss_forward),
-               Moment("loss backward", fwd + fwd_gathered + acts.loss_backward)]
+    if acts.chunked:
+        # torchtitan's ChunkedLossWrapper run on it: per chunk, the lm_head's backward into its
+        # gradient (p), the hidden states' gradient accumulated in fp32
+        loss = fwd + fwd_gathered + acts.tokens * shape.hidden * 4 + acts.loss_chunk
+        moments = [Moment("forward end", fwd + fwd_gathered), Moment("loss: first chunk", loss),
+                   Moment("loss: a later chunk", loss + shape.vocab * shape.hidden * p)]
+    else:
+        moments = [Moment("forward end", fwd + fwd_gathered + acts.loss_forward),
+                   Moment("loss backward", fwd + fwd_gathered + acts.loss_backward)]
     below, bucket = acts.layers_kept, head
-    mlp = min(3 * shape.largest_matrix, shape.layer_matrix_numel) * p
     full = DS_REDUCE_BUCKET
     for k in reversed(range(shape.layers)):
         below -= acts.kept(k)
@@ -258,10 +356,9 @@ def deepspeed_zero3_peak(shape: ModelShape, acts: Activations, *, world: int, pa
         # of the released layers under it
         under_released = max(0, min(k, released))
         under_kept = k - under_released
-        gathered = live(layer + under_kept * layer + (embed if embed_kept else 0)
-                        + min(DS_PREFETCH_BUCKET, under_released * layer))
+        gathered = live(layer + under_kept * layer + (embed if embed_kept else 0), under_released * layer)
         base = state + below + acts.logits + gathered
-        moments.append(Moment(f"layer {k} backward", base + max(acts.layer + mlp + acts.mlp_backward,
+        moments.append(Moment(f"layer {k} backward", base + max(acts.in_backward(k) + acts.mlp_transient,
                                                                 acts.layer_grads + 2 * acts.io)))
         if bucket + shape.layer_numel > full:  # the bucket is full: reduce-scattered before this layer's gradients
             moments.append(Moment(f"layer {k} backward: bucket reduce-scatter",

@@ -123,7 +123,9 @@ def peaks_report(model, result: MemoryPlan, config: ShardConfig, world: int, *, 
     p = dtype_bytes(config.param_dtype)
     r = dtype_bytes(config.wire_dtype)
     state = result.total_bytes + result.adamw_bytes
+    # (a plan of ShardConfig(step_in_backward=True) has no gradient shards left to remove)
     saves = grad_shard_bytes(result) if step_in_backward else 0
+    less = _step_in_backward_saves(model, result, config, world, backend) if step_in_backward else 0
 
     def acts_of(mb: int):
         return activations(shape, seq=seq, micro_batch=mb, param_bytes=p, checkpoint_layers=checkpoint,
@@ -162,12 +164,21 @@ def peaks_report(model, result: MemoryPlan, config: ShardConfig, world: int, *, 
                                 "[norm, lm_head] kept gathered (--fsdp2-root-group: the old root wrapping)"))
     if step_in_backward:
         lines.append(f"  yashard steps each unit in the backward (--step-in-backward): no fp32 gradient shards, "
-                     f"{_gib(saves)} GiB less; the peers step after the backward")
+                     f"{_gib(less)} GiB less; the peers step after the backward")
     lines.append(f"  {grad_accum} micro-batch{'es' if grad_accum > 1 else ''} a step: " + (
         f"FSDP2's peak is a later micro-batch's, with its fp32 gradient shards ({_gib(4 * shape.total_numel // world)}"
         " GiB) held from the first" if grad_accum > 1 else
         "FSDP2 holds no gradient shards before its first reduction (--grad-accum N: more micro-batches)"))
     return "\n".join(lines)
+
+
+def _step_in_backward_saves(model, result: MemoryPlan, config: ShardConfig, world: int, backend: str) -> int:
+    """The bytes the step in backward removes from ``result``: its fp32 gradient shards, or, where
+    ``config`` already steps in backward, what the ordinary plan holds beyond it."""
+    if not config.step_in_backward:
+        return grad_shard_bytes(result)
+    ordinary = plan(model, world_size=world, config=replace(config, step_in_backward=False), backend=backend)
+    return ordinary.total_bytes - result.total_bytes
 
 
 def comm_report(model, config: ShardConfig, world: int, *, tokens: int, checkpoint: int, bandwidth: float,
@@ -285,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
         config = ShardConfig(param_dtype=dtypes[args.param_dtype], reduce_dtype=dtypes[args.reduce_dtype],
                              shard_group_size=args.shard_group_size, secondary_group_size=args.secondary_group_size,
                              quantized_weights=args.quantized_weights, reshard_after_forward=not args.no_reshard,
-                             share_outer_slot=args.share_outer_slot, checkpoint_layers=args.checkpoint_layers)
+                             share_outer_slot=args.share_outer_slot, checkpoint_layers=args.checkpoint_layers,
+                             step_in_backward=args.step_in_backward)
         result = plan(model, world_size=args.world, config=config, backend=args.backend)
         # (refuses a model family the activation estimate cannot model)
         activations(shape_of(model), seq=args.seq_len, micro_batch=args.micro_batch,
@@ -300,9 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     if hint:
         print(hint)
     if args.step_in_backward:
-        saved = grad_shard_bytes(result)
+        saved = _step_in_backward_saves(model, result, config, args.world, args.backend)
         print(f"  with --step-in-backward: no fp32 grad shards, model state "
-              f"{(result.total_bytes + result.adamw_bytes - saved) / 2**30:.3f} GiB, {saved / 2**30:.3f} GiB less "
+              f"{(result.total_bytes + result.adamw_bytes) / 2**30:.3f} GiB, {saved / 2**30:.3f} GiB less "
               "(each unit steps from its reduce-scatter output)")
     print(peaks_report(model, result, config, args.world, seq=args.seq_len, micro_batch=args.micro_batch,
                        checkpoint=args.checkpoint_layers, attention=args.attention, gpu_memory=args.gpu_memory,

@@ -30,7 +30,8 @@ def _sft_config(out, **overrides):
     from trl import SFTConfig
 
     return SFTConfig(**{**dict(output_dir=out, per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                               max_steps=3, logging_steps=1, learning_rate=1e-3, report_to=[], save_strategy="no",
+                               max_steps=2, logging_steps=1, learning_rate=1e-3,
+                               gradient_checkpointing=False, report_to=[], save_strategy="no",
                                use_cpu=True, seed=42, dataloader_drop_last=True, disable_tqdm=True, bf16=False),
                         **overrides})
 
@@ -124,31 +125,65 @@ def resume_mixed(rank, world, out):
     return {"resumed": hf_workers._steps(resumed.state.log_history), "message": str(e.value)}
 
 
-def compiled_run(rank, world, out, compile_args):
-    """yashard.hf.Trainer (tiny Llama, accumulation 2, 3 steps) with ``compile_args``
-    (``torch_compile``, ``torch_compile_backend``, ``torch_compile_mode``) or none. Returns the step
-    logs, how each decoder layer was compiled, and the frames Dynamo compiled."""
+def compiled_runs(rank, world, out, cases):
+    """yashard.hf.Trainer (tiny Llama, accumulation 2, 2 steps) for each of ``cases``: the
+    ``torch_compile``, ``torch_compile_backend`` and ``torch_compile_mode`` arguments, or none.
+    Returns per case the step logs, what each compile was asked for, how many decoder layers are
+    compiled, and the graphs Dynamo compiled."""
     import torch._dynamo
 
     import yashard.hf
 
-    calls = []
+    results = []
     own = torch.compile
+    for i, compile_args in enumerate(cases):
+        calls = []
 
-    def spy(*args, **kwargs):  # (what each compile is asked for; the compile itself runs as asked)
-        calls.append({k: v for k, v in kwargs.items() if k in ("backend", "mode")})
-        return own(*args, **kwargs)
+        def spy(*args, **kwargs):  # (what each compile is asked for; the compile itself runs as asked)
+            calls.append({k: v for k, v in kwargs.items() if k in ("backend", "mode")})
+            return own(*args, **kwargs)
 
-    torch.compile = spy
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    try:
-        args = hf_workers._args(out, max_steps=3, gradient_accumulation_steps=2, **compile_args)
-        trainer = yashard.hf.Trainer(model=models.build("llama", seed=0), args=args, train_dataset=hf_workers.lm_data())
-        trainer.train()
-    finally:
-        torch.compile = own
-    layers = trainer.model.module.model.layers
-    return {"steps": hf_workers._steps(trainer.state.log_history), "calls": calls,
-            "compiled_layers": sum(getattr(m, "_compiled_call_impl", None) is not None for m in layers),
-            "frames": int(torch._dynamo.utils.counters["stats"]["unique_graphs"])}
+        torch.compile = spy
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        try:
+            args = hf_workers._args(os.path.join(out, str(i)), max_steps=2, gradient_accumulation_steps=2,
+                                    **compile_args)
+            trainer = yashard.hf.Trainer(model=models.build("llama", seed=0), args=args,
+                                         train_dataset=hf_workers.lm_data())
+            trainer.train()
+        finally:
+            torch.compile = own
+        layers = trainer.model.module.model.layers
+        results.append({"steps": hf_workers._steps(trainer.state.log_history), "calls": calls,
+                        "compiled_layers": sum(getattr(m, "_compiled_call_impl", None) is not None for m in layers),
+                        "graphs": int(torch._dynamo.utils.counters["stats"]["unique_graphs"])})
+    return results
+
+
+def init_refusals(rank, world, out):
+    """What building the model refuses, on one rank: a PeftModel with ``peft_config``,
+    ``quantization_config``, a float16 or unknown ``model_init_kwargs`` dtype. Returns the messages."""
+    import pytest
+    from peft import get_peft_model
+
+    import yashard.hf
+
+    folder = _gemma2_folder(rank, out)
+    data, tok, got = _sft_data(), hf_workers.tokenizer(), {}
+
+    def refused(name, model, peft_config=None, error=ValueError, **kwargs):
+        init = kwargs.pop("model_init_kwargs", None)
+        with pytest.raises(error) as e:
+            yashard.hf.SFTTrainer(model=model, args=_sft_config(out, model_init_kwargs=init), train_dataset=data,
+                                  processing_class=tok, peft_config=peft_config, **kwargs)
+        got[name] = str(e.value)
+
+    refused("peft_model", get_peft_model(models.build("gemma2"), _lora()), _lora())
+    from transformers import BitsAndBytesConfig
+
+    refused("quantization", folder, quantization_config=BitsAndBytesConfig(load_in_4bit=True))
+    refused("float16", folder, model_init_kwargs={"dtype": "float16"})
+    refused("float16_peft", folder, _lora(), model_init_kwargs={"dtype": "float16"})
+    refused("bad_dtype", folder, model_init_kwargs={"dtype": "int8"})
+    return got

@@ -163,7 +163,8 @@ def compiled_runs(rank, world, out, cases):
 
 def init_refusals(rank, world, out):
     """What building the model refuses, on one rank: a PeftModel with ``peft_config``,
-    ``quantization_config``, a float16 or unknown ``model_init_kwargs`` dtype. Returns the messages."""
+    ``quantization_config``, a float16 or unknown ``model_init_kwargs`` dtype, a ``chat_template_path``
+    that TRL would clone into the model. Returns the messages."""
     import pytest
     from peft import get_peft_model
 
@@ -186,4 +187,8 @@ def init_refusals(rank, world, out):
     refused("float16", folder, model_init_kwargs={"dtype": "float16"})
     refused("float16_peft", folder, _lora(), model_init_kwargs={"dtype": "float16"})
     refused("bad_dtype", folder, model_init_kwargs={"dtype": "int8"})
+    with pytest.raises(ValueError) as e:  # (TRL would clone the template after the model is sharded)
+        yashard.hf.SFTTrainer(model=folder, args=_sft_config(out, chat_template_path=folder), train_dataset=data,
+                              processing_class=tok)
+    got["chat_template"] = str(e.value)
     return got

@@ -77,3 +77,6 @@ def test_what_building_the_model_refuses_names_the_fix(tmp_path):
     for name in ("float16", "float16_peft"):
         assert "yashard.hf computes in fp32 or bf16; pass model_init_kwargs={'dtype': 'bfloat16'}" in got[name], got
     assert got["bad_dtype"] == "model_init_kwargs dtype='int8': pass 'float32', 'bfloat16' or 'auto'", got
+    assert got["chat_template"].startswith(f"chat_template_path={str(tmp_path / 'gemma2')!r} with yashard.hf: TRL "
+                                           "would copy that tokenizer's chat template"), got
+    assert "trl.clone_chat_template(model, tokenizer, path)" in got["chat_template"]

@@ -110,6 +110,13 @@ def _refuse_unsupported(args, given: dict) -> None:
         if getattr(args, name, None):
             raise ValueError(f"TrainingArguments({name}=...) with yashard.hf: {why}")
     refuse_other_sharding()  # (ACCELERATE_USE_FSDP, ...: the Accelerator that Trainer builds reads them)
+    template = getattr(args, "chat_template_path", None)
+    if template is not None and not (os.path.isfile(template) and template.endswith((".jinja", ".j2"))):
+        raise ValueError(  # (TRL clones it in its __init__, after the model would be sharded)
+            f"chat_template_path={template!r} with yashard.hf: TRL would copy that tokenizer's chat template and "
+            "resize the model's embeddings, which a sharded model cannot. Do it first: model, tokenizer, added = "
+            "trl.clone_chat_template(model, tokenizer, path); pass both, with the added tokens in peft_config's "
+            "trainable_token_indices; or pass a .jinja template file")
     if given.get("model_init") is not None:
         raise ValueError("model_init with yashard.hf: pass the model itself (model=...); the trainer shards it once")
 

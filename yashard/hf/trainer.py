@@ -13,11 +13,13 @@ one for another subclass). The user's ``TrainingArguments`` stay as they are. Wh
 * **Checkpoints** (``save_steps``, ``save_total_limit``): ``checkpoint-N/yashard`` is a yashard
   sharded checkpoint of the model and the optimizer; the scheduler, RNG states,
   ``trainer_state.json`` and ``training_args.bin`` are Trainer's own files beside it.
-  ``resume_from_checkpoint`` reads them at any world size.
+  ``resume_from_checkpoint`` reads them at any world size; ``yashard/`` from another step is refused.
 * **save_model()** writes an HF folder (``yashard.export_hf``) with the tokenizer, which
   ``AutoModelForCausalLM.from_pretrained`` loads; for a PEFT model, the adapter
   (``yashard.save_adapter``), which ``PeftModel.from_pretrained`` loads.
-* **PEFT**: a ``PeftModel``, or ``peft_config=`` (applied before sharding), trains the adapters.
+* **PEFT**: a ``PeftModel``, or ``peft_config=`` (applied before sharding, in TRL's order: after
+  ``set_seed(args.seed)``, see :mod:`yashard.hf.model_init`), trains the adapters.
+* **torch_compile**: each decoder layer is compiled (:func:`yashard.hf.accelerator.compile_layers`).
 * A process started without torchrun trains on a one-rank group of its own.
 """
 

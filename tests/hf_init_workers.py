@@ -184,6 +184,8 @@ def init_refusals(rank, world, out):
     from transformers import BitsAndBytesConfig
 
     refused("quantization", folder, quantization_config=BitsAndBytesConfig(load_in_4bit=True))
+    refused("quantization_kwargs", folder, _lora(),
+            model_init_kwargs={"quantization_config": BitsAndBytesConfig(load_in_4bit=True)})
     refused("float16", folder, model_init_kwargs={"dtype": "float16"})
     refused("float16_peft", folder, _lora(), model_init_kwargs={"dtype": "float16"})
     refused("bad_dtype", folder, model_init_kwargs={"dtype": "int8"})

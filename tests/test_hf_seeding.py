@@ -74,6 +74,8 @@ def test_what_building_the_model_refuses_names_the_fix(tmp_path):
     assert got["peft_model"].startswith("peft_config= with a PeftModel: merge and unload its adapter"), got
     assert got["quantization"].startswith("quantization_config= with yashard.hf: yashard shards full-precision "
                                           "weights"), got
+    assert got["quantization_kwargs"].startswith("model_init_kwargs quantization_config with yashard.hf: yashard "
+                                                 "shards full-precision weights"), got
     for name in ("float16", "float16_peft"):
         assert "yashard.hf computes in fp32 or bf16; pass model_init_kwargs={'dtype': 'bfloat16'}" in got[name], got
     assert got["bad_dtype"] == "model_init_kwargs dtype='int8': pass 'float32', 'bfloat16' or 'auto'", got

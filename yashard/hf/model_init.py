@@ -38,6 +38,9 @@ def _init_kwargs(args) -> tuple[dict, object]:
     """``args.model_init_kwargs`` (a copy) without the dtype, and the dtype as TRL reads it:
     ``"float32"`` when absent, a ``torch.dtype`` or ``"auto"`` otherwise."""
     kwargs = dict(getattr(args, "model_init_kwargs", None) or {})
+    if kwargs.get("quantization_config") is not None:
+        raise ValueError("model_init_kwargs quantization_config with yashard.hf: yashard shards full-precision "
+                         "weights; leave it out, and pass a bf16 or fp32 model or folder")
     dtype = kwargs.pop("dtype", kwargs.pop("torch_dtype", None))
     dtype = "float32" if dtype is None else dtype
     if isinstance(dtype, str) and dtype != "auto":
@@ -81,8 +84,8 @@ def folder_model(path, args, config: ShardConfig, peft_config=None):
         return from_pretrained(path, config=computing_in(config, dtype), **kwargs)
     if not os.path.isfile(os.path.join(os.fspath(path), "config.json")):
         raise FileNotFoundError(f"{os.fspath(path)} has no config.json: pass a local folder save_pretrained wrote")
-    model = transformers.AutoModelForCausalLM.from_pretrained(os.fspath(path), dtype=dtype, device_map=None,
-                                                              local_files_only=True, **kwargs)
+    kwargs = {"device_map": None, "local_files_only": True, **kwargs}  # (a device_map given: refused by shard)
+    model = transformers.AutoModelForCausalLM.from_pretrained(os.fspath(path), dtype=dtype, **kwargs)
     low = {p.dtype for p in model.parameters()} - {torch.float32}
     config = computing_in(config, low.pop() if len(low) == 1 else torch.float32)
     return shard(with_adapters(model, peft_config, args, seed=False), config=config)

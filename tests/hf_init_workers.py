@@ -2,7 +2,7 @@
 yashard.hf's trainers do around building the model (the seed, PEFT's adapters, a model folder and
 its dtype, torch.compile) and a resume, each on DDP (plain TRL / Trainer) and on yashard.
 
-The seeding runs use a tiny Gemma2 (tied embeddings, softcapping) with PEFT's default LoRA init:
+The seeding runs use a tiny 2-layer Gemma2 (tied embeddings, softcapping) with PEFT's default LoRA init:
 lora_A drawn from the RNG (kaiming), so an unseeded adapter shows in the gradient norms."""
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class _Warnings(logging.Handler):
 def _gemma2_folder(rank, out) -> str:
     folder = os.path.join(out, "gemma2")
     if rank == 0:
-        models.build("gemma2", seed=0).save_pretrained(folder)
+        models.build("gemma2", seed=0, num_hidden_layers=2).save_pretrained(folder)
     torch.distributed.barrier()
     return folder
 
@@ -81,7 +81,7 @@ def sft_cases(rank, world, engine, out, cases):
         torch.manual_seed(1000 + i)  # (whatever the script drew before: the trainer's seed must decide)
         kwargs = {}
         if case == "object":
-            model = models.build("gemma2", seed=0)
+            model = models.build("gemma2", seed=0, num_hidden_layers=2)
         else:
             model = folder
         if case == "folder-bf16":
@@ -180,7 +180,7 @@ def init_refusals(rank, world, out):
                                   processing_class=tok, peft_config=peft_config, **kwargs)
         got[name] = str(e.value)
 
-    refused("peft_model", get_peft_model(models.build("gemma2"), _lora()), _lora())
+    refused("peft_model", get_peft_model(models.build("gemma2", num_hidden_layers=2), _lora()), _lora())
     from transformers import BitsAndBytesConfig
 
     refused("quantization", folder, quantization_config=BitsAndBytesConfig(load_in_4bit=True))

@@ -1,8 +1,8 @@
 """``TrainingArguments(torch_compile=True)`` through yashard.hf.Trainer compiles each decoder layer,
 with its ``torch_compile_backend`` and ``torch_compile_mode``, and trains as the uncompiled run.
 
-Two gloo ranks on CPU, a tiny Llama, gradient accumulation 2, 2 steps, the eager run and the compiled one in one process. The backend is
-``aot_eager`` (Dynamo and AOTAutograd, what yashard's hooks meet, without inductor's C++ builds,
+Two gloo ranks on CPU, a tiny Llama, gradient accumulation 2, 2 steps; the eager run and the
+compiled one in one process. The backend is ``aot_eager`` (Dynamo and AOTAutograd, what yashard's hooks meet, without inductor's C++ builds,
 too slow for the suite; tests/test_compile.py runs inductor on the layers). Workers in
 tests/hf_init_workers.py."""
 

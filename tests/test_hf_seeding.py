@@ -2,8 +2,9 @@
 with ``model_init_kwargs``, ``peft_config`` applied; so the adapters, and the whole run, are those of
 TRL's SFTTrainer on DDP with the same ``seed``, whatever the script drew before.
 
-Two gloo ranks on CPU, a tiny Gemma2 (tied embeddings), LoRA on every linear layer with PEFT's default
-init (lora_A random), gradient accumulation 2, 2 steps; workers in tests/hf_init_workers.py."""
+Two gloo ranks on CPU, a tiny 2-layer Gemma2 (tied embeddings), LoRA on every linear layer with
+PEFT's default init (lora_A random), gradient accumulation 2, 2 steps; workers in
+tests/hf_init_workers.py."""
 
 from __future__ import annotations
 

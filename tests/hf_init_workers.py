@@ -78,7 +78,6 @@ def sft_cases(rank, world, engine, out, cases):
     logging.getLogger("yashard").addHandler(warnings)
     results = []
     for i, case in enumerate(cases):
-        torch.manual_seed(1000 + i)  # (whatever the script drew before: the trainer's seed must decide)
         kwargs = {}
         if case == "object":
             model = models.build("gemma2", seed=0, num_hidden_layers=2)
@@ -86,6 +85,7 @@ def sft_cases(rank, world, engine, out, cases):
             model = folder
         if case == "folder-bf16":
             kwargs["model_init_kwargs"] = {"dtype": "bfloat16"}
+        torch.manual_seed(1000 + i)  # (whatever the script drew before: the trainer's seed must decide)
         trainer = cls(model=model, args=_sft_config(os.path.join(out, f"{case}-{i}"), **kwargs),
                       train_dataset=_sft_data(), processing_class=hf_workers.tokenizer(),
                       peft_config=None if case == "folder-bf16" else _lora())

@@ -281,9 +281,6 @@ def refusals(rank, world, out):
         yashard.hf.Trainer(model=models.build("llama"), args=TrainingArguments(out, use_cpu=True, fsdp="full_shard"))
     got["fsdp"] = str(e.value)
     with pytest.raises(ValueError) as e:
-        yashard.hf.Trainer(model=models.build("llama"), args=_args(out, torch_compile=True))
-    got["torch_compile"] = str(e.value)
-    with pytest.raises(ValueError) as e:
         yashard.hf.Trainer(args=_args(out), model_init=lambda: models.build("llama"))
     got["model_init"] = str(e.value)
     with pytest.raises(ValueError) as e:

@@ -176,7 +176,6 @@ def test_misuse_is_refused_naming_the_fix(tmp_path):
     assert "Prepare the model first" in got["optimizer_first"]
     assert "optimizer_cls_and_kwargs" in got["optimizers"]
     assert "leave fsdp and fsdp_config out" in got["fsdp"]
-    assert "torch_compile=...) with yashard.hf" in got["torch_compile"]
     assert "model_init with yashard.hf: pass the model itself" in got["model_init"]
     assert "every_n_layers or offload" in got["every_n_layers"]
     assert "apply get_peft_model before yashard.shard" in got["peft_config_sharded"]

@@ -32,12 +32,13 @@ import shutil
 
 import torch
 from accelerate import Accelerator as _Accelerator
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, DynamoBackend
 from accelerate.checkpointing import load_accelerator_state, load_custom_state, save_accelerator_state, save_custom_state
 
 from ..api import shard
 from ..checkpoint import load_checkpoint, save_checkpoint
 from ..config import ShardConfig
+from ..patch.spec import get_path
 from ..sharded_model import ShardedModel
 
 logger = logging.getLogger("yashard")
@@ -130,6 +131,16 @@ def check_precision(model: ShardedModel, mixed_precision: str) -> None:
         )
 
 
+def compile_layers(model: ShardedModel, kwargs: dict) -> None:
+    """``torch.compile`` (``kwargs``: backend, mode, ...) on each decoder layer of ``model``, once, in
+    place of Accelerate's compile of the whole model: yashard's hooks run eagerly between the
+    compiled layers (docs/api.md, torch.compile)."""
+    rt = model.runtime
+    for layer in get_path(rt.model, rt.spec.layers):
+        if getattr(layer, "_compiled_call_impl", None) is None:
+            layer.compile(**kwargs)
+
+
 def raw_optimizer(optimizer):
     """The ``torch.optim`` optimizer inside Accelerate's ``AcceleratedOptimizer`` wrappers."""
     while hasattr(optimizer, "optimizer") and not isinstance(optimizer, torch.optim.Optimizer):
@@ -183,6 +194,8 @@ class Accelerator(_Accelerator):
             ensure_process_group()
             model = shard(model, config=self.yashard_config())
         check_precision(model, self.mixed_precision)
+        if self.state.dynamo_plugin.backend != DynamoBackend.NO:
+            compile_layers(model, self.state.dynamo_plugin.to_kwargs())
         if model not in self._models:
             self._models.append(model)
         return model

@@ -13,11 +13,13 @@ one for another subclass). The user's ``TrainingArguments`` stay as they are. Wh
 * **Checkpoints** (``save_steps``, ``save_total_limit``): ``checkpoint-N/yashard`` is a yashard
   sharded checkpoint of the model and the optimizer; the scheduler, RNG states,
   ``trainer_state.json`` and ``training_args.bin`` are Trainer's own files beside it.
-  ``resume_from_checkpoint`` reads them at any world size.
+  ``resume_from_checkpoint`` reads them at any world size; ``yashard/`` from another step is refused.
 * **save_model()** writes an HF folder (``yashard.export_hf``) with the tokenizer, which
   ``AutoModelForCausalLM.from_pretrained`` loads; for a PEFT model, the adapter
   (``yashard.save_adapter``), which ``PeftModel.from_pretrained`` loads.
-* **PEFT**: a ``PeftModel``, or ``peft_config=`` (applied before sharding), trains the adapters.
+* **PEFT**: a ``PeftModel``, or ``peft_config=`` (applied before sharding, in TRL's order: after
+  ``set_seed(args.seed)``, see :mod:`yashard.hf.model_init`), trains the adapters.
+* **torch_compile**: each decoder layer is compiled (:func:`yashard.hf.accelerator.compile_layers`).
 * A process started without torchrun trains on a one-rank group of its own.
 """
 
@@ -34,7 +36,7 @@ import types
 import torch
 import transformers
 
-from ..api import from_pretrained, shard
+from ..api import shard
 from ..checkpoint import load_checkpoint, save_checkpoint
 from ..config import ShardConfig
 from ..hf_export import export_hf
@@ -42,6 +44,7 @@ from ..sharded_model import ShardedModel
 from ..peft_adapter import save_adapter
 from .accelerator import (CHECKPOINT_DIR, Accelerator, ensure_process_group, raw_optimizer, refuse_other_sharding,
                           with_precision)
+from .model_init import folder_model, with_adapters
 
 logger = logging.getLogger("yashard")
 
@@ -94,7 +97,6 @@ def _num_layers(model) -> int:
 
 _REFUSED_ARGS = {
     "push_to_hub": "save_model() writes the folder; upload it with huggingface_hub.upload_folder",
-    "torch_compile": "Accelerate's compile wraps the model it prepares, which yashard shards instead; leave it off",
     "fsdp": "yashard shards the model in FSDP's place; leave fsdp and fsdp_config out",
     "deepspeed": "yashard shards the model in DeepSpeed's place; leave deepspeed out",
     "sync_ref_model": "TRL mixes the policy's parameters into the reference model's one by one, and a sharded "
@@ -110,6 +112,13 @@ def _refuse_unsupported(args, given: dict) -> None:
         if getattr(args, name, None):
             raise ValueError(f"TrainingArguments({name}=...) with yashard.hf: {why}")
     refuse_other_sharding()  # (ACCELERATE_USE_FSDP, ...: the Accelerator that Trainer builds reads them)
+    template = getattr(args, "chat_template_path", None)
+    if template is not None and not (os.path.isfile(template) and template.endswith((".jinja", ".j2"))):
+        raise ValueError(  # (TRL clones it in its __init__, after the model would be sharded)
+            f"chat_template_path={template!r} with yashard.hf: TRL would copy that tokenizer's chat template and "
+            "resize the model's embeddings, which a sharded model cannot. Do it first: model, tokenizer, added = "
+            "trl.clone_chat_template(model, tokenizer, path); pass both, with the added tokens in peft_config's "
+            "trainable_token_indices; or pass a .jinja template file")
     if given.get("model_init") is not None:
         raise ValueError("model_init with yashard.hf: pass the model itself (model=...); the trainer shards it once")
 
@@ -161,20 +170,19 @@ class ShardedTrainerMixin:
         _refuse_unsupported(args, given)
         _ = args.device  # (sets up the process group, as Trainer does, before the model is sharded)
         ensure_process_group()
+        # (TRL applies peft_config inside its __init__, after the model would be sharded: applied here, in TRL's order)
         peft_config = given.pop("peft_config", None)
-        if peft_config is not None:  # (TRL applies it inside its __init__, after the model would be sharded)
-            if isinstance(model, ShardedModel):
-                raise ValueError("peft_config= with a model that is sharded already: apply get_peft_model before "
-                                 "yashard.shard, or pass the unsharded model")
-            if isinstance(model, (str, os.PathLike)):
-                raise ValueError("peft_config= with a model folder: load the model, apply get_peft_model, and pass it")
-            import peft
-
-            model = peft.get_peft_model(model, peft_config)
+        if peft_config is not None and isinstance(model, ShardedModel):
+            raise ValueError("peft_config= with a model that is sharded already: apply get_peft_model before "
+                             "yashard.shard, or pass the unsharded model")
+        if given.get("quantization_config") is not None:
+            raise ValueError("quantization_config= with yashard.hf: yashard shards full-precision weights (TRL would "
+                             "ignore it for a loaded model); leave it out, and pass a bf16 or fp32 model or folder")
         if isinstance(model, (str, os.PathLike)):
-            config = _hub_free_config(model, args, shard_config)
-            model = from_pretrained(model, config=config, **(getattr(args, "model_init_kwargs", None) or {}))
+            model = folder_model(model, args, _folder_config(model, args, shard_config), peft_config)
         elif model is not None and not isinstance(model, ShardedModel):
+            if peft_config is not None:
+                model = with_adapters(model, peft_config, args)
             model = shard(model, config=shard_config_from_args(args, shard_config, _num_layers(model)))
         elif isinstance(model, ShardedModel):
             if shard_config is not None:
@@ -261,7 +269,8 @@ class ShardedTrainerMixin:
             return super().save_model(output_dir, _internal_call)
         if _internal_call:
             optimizer = None if self.args.save_only_model or self.optimizer is None else raw_optimizer(self.optimizer)
-            save_checkpoint(os.path.join(output_dir, CHECKPOINT_DIR), self.model, optimizer)
+            save_checkpoint(os.path.join(output_dir, CHECKPOINT_DIR), self.model, optimizer,
+                            extra={"global_step": self.state.global_step})  # (checked on resume: _load_sharded)
             if is_peft(self.model):  # (as a DDP checkpoint of a PEFT model: its adapter, for PeftModel.from_pretrained)
                 save_adapter(self.model, output_dir)
         elif is_peft(self.model):
@@ -291,11 +300,26 @@ class ShardedTrainerMixin:
                 "model instead")
         return path
 
+    def _load_sharded(self, checkpoint: str, model: ShardedModel, optimizer=None) -> None:
+        """Load ``checkpoint``'s sharded state; refuse one saved at another step than its trainer_state.json."""
+        extra = load_checkpoint(self._sharded_checkpoint(checkpoint), model, optimizer)
+        saved = extra.get("global_step") if isinstance(extra, dict) else None
+        state = os.path.join(checkpoint, transformers.trainer.TRAINER_STATE_NAME)
+        if saved is None or not os.path.isfile(state):  # (a checkpoint of an earlier yashard: no step to compare)
+            return
+        step = transformers.TrainerState.load_from_json(state).global_step
+        if saved != step:
+            raise ValueError(
+                f"{checkpoint}: its sharded state ({CHECKPOINT_DIR}/) was saved at step {saved}, its "
+                f"{transformers.trainer.TRAINER_STATE_NAME} at step {step}, so the weights and optimizer state would "
+                f"not be the ones that step left. Resume from a checkpoint-N folder as the trainer wrote it, or copy "
+                f"the {CHECKPOINT_DIR}/ folder of checkpoint-{step} into it")
+
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         model = self.model if model is None else model
         if not isinstance(model, ShardedModel):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        load_checkpoint(self._sharded_checkpoint(resume_from_checkpoint), model)
+        self._load_sharded(resume_from_checkpoint, model)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None or not isinstance(self.model, ShardedModel):
@@ -303,14 +327,14 @@ class ShardedTrainerMixin:
         scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
         if not os.path.isfile(scheduler):
             return  # (save_only_model: the model alone, loaded already)
-        load_checkpoint(self._sharded_checkpoint(checkpoint), self.model, raw_optimizer(self.optimizer))
+        self._load_sharded(checkpoint, self.model, raw_optimizer(self.optimizer))
         self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
 
     def _load_best_model(self) -> None:
         if not isinstance(self.model, ShardedModel):
             return super()._load_best_model()
         logger.info("Loading best model from %s (score: %s).", self.state.best_model_checkpoint, self.state.best_metric)
-        load_checkpoint(self._sharded_checkpoint(self.state.best_model_checkpoint), self.model)
+        self._load_sharded(self.state.best_model_checkpoint, self.model)
 
 
 def hf_model(model: ShardedModel):
@@ -324,8 +348,10 @@ def is_peft(model: ShardedModel) -> bool:
     return hasattr(model.module, "peft_config") and hasattr(model.module, "get_base_model")
 
 
-def _hub_free_config(path, args, shard_config):
-    """The ``ShardConfig`` for a model given as a local folder (read by ``yashard.from_pretrained``)."""
+
+
+def _folder_config(path, args, shard_config) -> ShardConfig:
+    """The ``ShardConfig`` the arguments ask for, for a model given as a local folder."""
     config = transformers.AutoConfig.from_pretrained(os.fspath(path), local_files_only=True)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return shard_config_from_args(args, shard_config, int(getattr(text, "num_hidden_layers", 0) or 0))

@@ -109,6 +109,7 @@ def shard(model: nn.Module, *, config: ShardConfig | None = None, process_group=
                 "prompt learning methods (prompt tuning, prefix tuning, p-tuning) are not supported"
             )
     spec = resolve_spec(hf)
+    config = _take_over_kbit_checkpointing(hf, spec, config)
     device = _pick_device(config, comm)
     comm.device_type = device.type
     if mesh is not None and mesh.device_type != device.type:
@@ -133,6 +134,26 @@ def shard(model: nn.Module, *, config: ShardConfig | None = None, process_group=
     if comm.rank == 0:
         logger.info("%s", runtime.memory_plan())
     return wrapped
+
+
+def _take_over_kbit_checkpointing(hf: nn.Module, spec, config: ShardConfig) -> ShardConfig:
+    """peft's ``prepare_model_for_kbit_training`` turns HF gradient checkpointing on for a 4-bit
+    base. yashard checkpoints through its own layer hooks (HF's would re-run them in backward), so
+    for a 4-bit base it turns HF's off and checkpoints every layer itself
+    (``ShardConfig.checkpoint_layers``): what the unsharded model recomputes, the same values. Any
+    other model with HF checkpointing on is refused (``partition.validate``)."""
+    import dataclasses
+
+    from .patch.spec import get_path
+
+    flag = getattr(hf, "is_gradient_checkpointing", False)
+    if not (flag and any(type(p).__name__ == "Params4bit" for p in hf.parameters())):
+        return config
+    hf.gradient_checkpointing_disable()
+    n = len(get_path(hf, spec.layers))
+    logger.info("yashard: the 4-bit base has HF gradient checkpointing on (prepare_model_for_kbit_training): "
+                "yashard checkpoints its %d layers itself (ShardConfig.checkpoint_layers=%d)", n, n)
+    return dataclasses.replace(config, checkpoint_layers=n)
 
 
 def _folder_dtype(hf_config, path) -> torch.dtype:

@@ -1,0 +1,146 @@
+"""QLoRA on yashard: LoRA on a bitsandbytes 4-bit base (NF4, uint8 and bf16 storage, with and without
+double quantisation) trains at W=1, 2 and 3 as the same training on one process, step by step; the
+4-bit layers are gathered as packed bytes with their quantisation state, bitwise what the unsharded
+model holds; ``prepare_model_for_kbit_training`` and its gradient checkpointing work; the saved
+adapter loads onto the 4-bit base with the same logits; the plan equals what is held; what yashard
+cannot shard of a quantised base is refused by name."""
+
+import pytest
+import torch
+
+pytest.importorskip("peft")
+pytest.importorskip("bitsandbytes")
+
+import yashard  # noqa: E402
+from harness import run_distributed  # noqa: E402
+from qlora_workers import VARIANTS, bnb_config, qlora_model, save_tiny, train_reference, train_sharded, train_variants  # noqa: E402
+from yashard.packed import Record, byte_shard_align, record  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return save_tiny(str(tmp_path_factory.mktemp("tiny") / "llama"))
+
+
+_REFS: dict = {}
+
+
+def reference(folder: str, variant: str) -> dict:
+    if variant not in _REFS:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            _REFS[variant] = train_reference(folder, variant)
+        finally:
+            torch.set_num_threads(threads)
+    return _REFS[variant]
+
+
+def check(res: dict, ref: dict, variant: str) -> None:
+    bf16 = VARIANTS[variant][2] == torch.bfloat16  # (bf16 compute: bf16 tolerance)
+    rel = [abs(a - b) / abs(b) for a, b in zip(res["losses"], ref["losses"])]
+    assert max(rel) < (5e-5 if bf16 else 1e-5), (variant, res["losses"], ref["losses"])
+    assert max(abs(a - b) / b for a, b in zip(res["norms"], ref["norms"])) < (1e-3 if bf16 else 1e-4), variant
+    for step, (got, want) in enumerate(zip(res["steps"], ref["steps"])):
+        assert set(got) == set(want)
+        worst = max((got[k] - want[k]).abs().max().item() / want[k].abs().max().item() for k in want)
+        assert worst < (1e-2 if bf16 else 2e-3), (variant, step, worst)
+    assert (res["logits"] - ref["logits"]).abs().max().item() < (1e-2 if bf16 else 1e-4), variant
+    # the gathered layer is bitwise the unsharded 4-bit weights and state, as views of the byte slot
+    assert all(res["same_weights"]), res["same_weights"]
+    assert res["slot_dtypes"]["layer_even"] == torch.uint8 and res["slot_dtypes"]["outer"] == torch.float32
+    # a layer's gather moves its packed bytes: under a third of the same layer in bf16
+    assert res["layer_gathers"] == [res["layer_bytes"]]
+    assert res["layer_bytes"] < 0.4 * res["layer_bf16_bytes"]
+    # only the adapters train: AdamW's state is theirs alone, and the plan is what the runtime holds
+    assert res["trained_units"] == ["adapters"]
+    assert res["opt_bytes"] == res["adamw_bytes"]
+    assert res["plan"] == res["allocated"]
+    assert res["rows"]["4-bit shards"] > 0
+
+
+def test_two_ranks_match_one_process_and_the_adapter_loads_onto_the_4bit_base(folder, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    variants = ["u8", "bf16-dq-prepared"]
+    out = run_distributed(train_variants, 2, folder, variants, str(tmp_path), timeout=480)[0]
+    for v in variants:
+        check(out[v], reference(folder, v), v)
+    # the saved adapter, on the 4-bit base in one process: the sharded model's logits
+    base = AutoModelForCausalLM.from_pretrained(folder, quantization_config=bnb_config("u8"), dtype=torch.float32)
+    loaded = PeftModel.from_pretrained(base, str(tmp_path / "u8")).eval()
+    from qlora_workers import _data
+
+    with torch.no_grad():
+        logits = loaded(input_ids=_data()[0]).logits.float()
+    assert (logits - out["u8"]["logits"]).abs().max().item() < 1e-4
+
+
+def test_three_ranks_match_one_process(folder):
+    variants = ["u8-dq", "bf16"]
+    out = run_distributed(train_variants, 3, folder, variants, None, timeout=480)[0]
+    for v in variants:
+        check(out[v], reference(folder, v), v)
+
+
+def test_one_rank_matches_one_process(pg, folder):
+    res = train_sharded(0, 1, folder, "u8")
+    ref = reference(folder, "u8")
+    assert res["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+    assert all(res["same_weights"])
+    assert res["plan"] == res["allocated"]
+
+
+def test_full_state_dict_holds_the_4bit_weights_as_transformers_saves_them(pg, folder):
+    pm = qlora_model(folder, "u8-dq")
+    want = {k: v.clone() for k, v in pm.get_base_model().state_dict().items()}
+    sm = yashard.shard(pm)
+    got = sm.full_state_dict()
+    name = "model.layers.1.mlp.down_proj.weight"
+    assert got[name].dtype == torch.uint8 and torch.equal(got[name], want[name])
+    for k in want:
+        if k.startswith(name + ".") and torch.is_tensor(want[k]):
+            assert torch.equal(got[k], want[k]), k
+
+
+def test_what_a_4bit_base_cannot_do_is_refused(pg, folder, tmp_path):
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    with pytest.raises(ValueError, match="quantized_weights \\(qwZ\\) does not work with a 4-bit base"):
+        yashard.shard(qlora_model(folder, "u8"), config=yashard.ShardConfig(quantized_weights=8))
+    sm = yashard.shard(qlora_model(folder, "u8"))
+    with pytest.raises(ValueError, match="export_hf cannot write a 4-bit base"):
+        yashard.export_hf(sm, str(tmp_path / "export"))
+    q = dict(load_in_4bit=True, bnb_4bit_quant_type="nf4")
+    part = AutoModelForCausalLM.from_pretrained(
+        folder, quantization_config=BitsAndBytesConfig(**q, llm_int8_skip_modules=["lm_head", "down_proj"]))
+    with pytest.raises(ValueError, match="down_proj.weight is not 4-bit but shares its decoder layer"):
+        yashard.shard(part)
+    head = AutoModelForCausalLM.from_pretrained(folder, quantization_config=BitsAndBytesConfig(
+        **q, llm_int8_skip_modules=["nothing"]))
+    with pytest.raises(ValueError, match="lm_head.weight is a 4-bit weight outside the decoder layers"):
+        yashard.shard(head)
+
+
+def test_other_quantised_bases_are_refused_by_name(pg, folder):
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    m8 = AutoModelForCausalLM.from_pretrained(folder, quantization_config=BitsAndBytesConfig(load_in_8bit=True))
+    with pytest.raises(ValueError, match="quantised with bitsandbytes 8-bit"):
+        yashard.shard(m8)
+    with pytest.raises(ValueError, match="quantised with bitsandbytes 8-bit"):
+        yashard.plan(m8, world_size=2, backend="gloo")
+
+
+def test_records_align_every_part():
+    rec = record([("data", 1, (2048, 1)), ("qs.absmax", 1, (64,)), ("qs.offset", 4, ()), ("qs.state2.code", 4, (256,))])
+    assert isinstance(rec, Record)
+    assert [(p.offset, p.nbytes) for p in rec.parts] == [(0, 2048), (2048, 64), (2112, 4), (2176, 1024)]
+    assert rec.nbytes == 3200 and rec.part("qs.offset").end == 2116
+    assert record([("data", 2, (3, 1))], align=64).nbytes == 64
+    assert byte_shard_align(16) == 64
+    with pytest.raises(ValueError, match="appears twice"):
+        record([("a", 1, (1,)), ("a", 1, (1,))])
+    with pytest.raises(ValueError, match="negative dimension"):
+        record([("a", 1, (-1,))])

@@ -15,12 +15,17 @@ from models import batches
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0,
             init_lora_weights=False)
 STEPS, GLOBAL_BATCH, SEQ, LR, WD = 3, 6, 8, 1e-2, 0.1
+# AdamW's eps: its first step moves every element by lr * g / (|g| + eps), so with torch's 1e-8 an
+# element whose gradient is near 0 moves by +-lr on the sign of rounding noise (bf16 compute: several
+# elements of a layer). 1e-4 keeps such elements near still, so the comparison sees the gradients.
+EPS = 1e-4
 # (name, quant storage, double quantisation, compute dtype, prepare_model_for_kbit_training)
 VARIANTS = {
     "u8": (torch.uint8, False, torch.float32, False),
     "u8-dq": (torch.uint8, True, torch.float32, False),
     "bf16-dq-prepared": (torch.bfloat16, True, torch.bfloat16, True),
     "bf16": (torch.bfloat16, False, torch.bfloat16, True),
+    "u8-dq-prepared": (torch.uint8, True, torch.float32, True),
 }
 
 
@@ -70,7 +75,7 @@ def train_reference(folder: str, variant: str) -> dict:
     """Single-process QLoRA: the whole global batch per step."""
     pm = qlora_model(folder, variant)
     trained = [p for p in pm.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW([{"params": trained, "weight_decay": WD}], lr=LR)
+    opt = torch.optim.AdamW([{"params": trained, "weight_decay": WD}], lr=LR, eps=EPS)
     losses, norms, steps = [], [], []
     pm.train()
     for batch in _data():
@@ -97,7 +102,7 @@ def train_sharded(rank: int, world: int, folder: str, variant: str, adapter_dir:
     sm = yashard.shard(pm, config=yashard.ShardConfig(**shard_kw) if shard_kw else None)
     rt = sm.runtime
     rt.comm.log.enabled = True
-    opt = torch.optim.AdamW(sm.param_groups(WD), lr=LR)
+    opt = torch.optim.AdamW(sm.param_groups(WD), lr=LR, eps=EPS)
     losses, norms, steps = [], [], []
     sm.train()
     for batch in _data():
@@ -156,3 +161,31 @@ def train_variants(rank: int, world: int, folder: str, variants: list, adapter_d
     for v in variants:
         out[v] = train_sharded(rank, world, folder, v, adapter_dir=os.path.join(adapter_dir, v) if adapter_dir else None)
     return out
+
+
+def checkpoint_round_trip(rank: int, world: int, folder: str, path: str, save: bool) -> dict:
+    """``save``: two steps of QLoRA, a checkpoint after the first. Else: the checkpoint loaded (at
+    another world size), then the second step. Losses of the second step, the adapters and the
+    4-bit weights after it."""
+    sm = yashard.shard(qlora_model(folder, "u8-dq"))
+    opt = torch.optim.AdamW(sm.param_groups(WD), lr=LR, eps=EPS)
+    data = _data()
+
+    def step(batch):
+        local = batch.chunk(world)[rank]
+        out = sm(input_ids=local, labels=local)
+        out.loss.backward()
+        loss = out.loss.detach().clone() * local.shape[0]
+        dist.all_reduce(loss)
+        opt.step()
+        opt.zero_grad()
+        return loss.item() / batch.shape[0]
+
+    if save:
+        step(data[0])
+        yashard.save_checkpoint(path, sm, opt)
+    else:
+        yashard.load_checkpoint(path, sm, opt)
+    loss = step(data[1])
+    full = sm.full_state_dict()
+    return dict(loss=loss, state={k: v.clone() for k, v in full.items() if torch.is_tensor(v)})

@@ -63,7 +63,7 @@ def test_two_ranks_match_one_process_and_the_adapter_loads_onto_the_4bit_base(fo
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    variants = ["u8", "bf16-dq-prepared"]
+    variants = ["u8", "bf16-dq-prepared", "bf16"]
     out = run_distributed(train_variants, 2, folder, variants, str(tmp_path), timeout=480)[0]
     for v in variants:
         check(out[v], reference(folder, v), v)
@@ -78,7 +78,11 @@ def test_two_ranks_match_one_process_and_the_adapter_loads_onto_the_4bit_base(fo
 
 
 def test_three_ranks_match_one_process(folder):
-    variants = ["u8-dq", "bf16"]
+    # fp32 compute: with bf16 compute the backward rounds its bf16 gradients at another scale than the
+    # reference (the loss of 2 of 6 rows, divided by 3 after the reduction, against the loss of all 6),
+    # so they differ by a bf16 rounding (4e-3 of a gradient) from the first step on; at W=2 the scale
+    # is a power of two and rounds the same
+    variants = ["u8-dq", "u8-dq-prepared"]
     out = run_distributed(train_variants, 3, folder, variants, None, timeout=480)[0]
     for v in variants:
         check(out[v], reference(folder, v), v)
@@ -172,3 +176,18 @@ def test_from_pretrained_refuses_other_quantisations_by_name(pg, folder):
         yashard.from_pretrained(folder, load_in_4bit=True)
     with pytest.raises(ValueError, match="peft_config=...\\) goes with a 4-bit base"):
         yashard.from_pretrained(folder, peft_config=LoraConfig(r=4))
+
+
+def test_a_checkpoint_resumes_at_another_world_size(folder, tmp_path):
+    from qlora_workers import checkpoint_round_trip
+
+    path = str(tmp_path / "ckpt")
+    saved = run_distributed(checkpoint_round_trip, 2, folder, path, True, timeout=480)[0]
+    resumed = run_distributed(checkpoint_round_trip, 3, folder, path, False, timeout=480)[0]
+    assert resumed["loss"] == pytest.approx(saved["loss"], rel=1e-5)
+    assert set(resumed["state"]) == set(saved["state"])
+    for k, v in saved["state"].items():
+        if ".lora_" in k:
+            assert (resumed["state"][k] - v).abs().max() <= 2e-3 * v.abs().max(), k
+        else:  # the 4-bit weights and their state, the norms, the embedding: bitwise
+            assert torch.equal(resumed["state"][k], v), k

@@ -77,7 +77,8 @@ def shard(model: nn.Module, *, config: ShardConfig | None = None, process_group=
         raise ValueError("model is already sharded by yashard; call yashard.shard once per model")
     if not isinstance(model, nn.Module):
         raise TypeError(f"yashard.shard expects an nn.Module, got {type(model).__name__}")
-    low = low_precision_dtype(p.dtype for p in model.parameters() if p.is_floating_point())
+    low = low_precision_dtype(p.dtype for p in model.parameters()  # (4-bit weights' storage dtype: packed bytes)
+                              if p.is_floating_point() and type(p).__name__ != "Params4bit")
     if config is None:
         # a bf16/fp16 model computes in its dtype, as FSDP2 keeps it (the masters are fp32 all the same)
         config = ShardConfig() if low is None else ShardConfig(param_dtype=low)

@@ -50,7 +50,8 @@ def validate(model: nn.Module, spec: ModelSpec, config: ShardConfig) -> None:
             f"use a value between 0 and {n_layers}"
         )
     flags = [f for f in ("is_activation_checkpointing", "is_gradient_checkpointing") if hasattr(type(model), f)]
-    if flags and getattr(model, flags[0]):
+    # (a 4-bit base's: prepare_model_for_kbit_training's, which shard() takes over, api._take_over_kbit_checkpointing)
+    if flags and getattr(model, flags[0]) and not any(type(p).__name__ == "Params4bit" for p in model.parameters()):
         raise ValueError(
             "the model has HF activation checkpointing enabled (activation_checkpointing_enable() / "
             "gradient_checkpointing_enable()); it would re-run yashard's layer hooks during backward. "

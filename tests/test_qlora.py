@@ -191,3 +191,18 @@ def test_a_checkpoint_resumes_at_another_world_size(folder, tmp_path):
             assert (resumed["state"][k] - v).abs().max() <= 2e-3 * v.abs().max(), k
         else:  # the 4-bit weights and their state, the norms, the embedding: bitwise
             assert torch.equal(resumed["state"][k], v), k
+
+
+def test_the_finetune_recipe_trains_qlora_and_writes_the_adapter(tmp_path):
+    from peft import PeftConfig
+    from safetensors.torch import load_file
+    from test_recipes import COMMON, read_log, run_recipe
+
+    out = tmp_path / "out"
+    stdout = run_recipe("finetune.py", "--qlora", "--steps", "2", "--eval-every", "0", "--eval-batches", "1",
+                        "--save-every", "0", "--out-dir", str(out), *COMMON)
+    assert "4-bit shards" in stdout  # (the memory plan, printed by rank 0)
+    log = read_log(out / "log.jsonl")
+    assert [r["step"] for r in log if "loss" in r] == [1, 2]
+    assert PeftConfig.from_pretrained(str(out / "final")).r == 16
+    assert all(".lora_" in k for k in load_file(out / "final" / "adapter_model.safetensors"))

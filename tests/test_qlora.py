@@ -125,6 +125,16 @@ def test_what_a_4bit_base_cannot_do_is_refused(pg, folder, tmp_path):
         **q, llm_int8_skip_modules=["nothing"]))
     with pytest.raises(ValueError, match="lm_head.weight is a 4-bit weight outside the decoder layers"):
         yashard.shard(head)
+    half = AutoModelForCausalLM.from_pretrained(folder, quantization_config=BitsAndBytesConfig(
+        **q, llm_int8_skip_modules=["lm_head", "layers.1."]))
+    with pytest.raises(ValueError, match="decoder layer 1 has no 4-bit weight while others have"):
+        yashard.shard(half)
+    with pytest.raises(ValueError, match="a 4-bit base is sharded from its live quantised weights"):
+        yashard.shard(qlora_model(folder, "u8"), weights=folder)
+    trained = qlora_model(folder, "bf16")
+    trained.get_base_model().model.layers[0].mlp.up_proj.weight.requires_grad_(True)
+    with pytest.raises(ValueError, match="up_proj.weight is a 4-bit weight that requires grad"):
+        yashard.shard(trained)
 
 
 def test_other_quantised_bases_are_refused_by_name(pg, folder):
@@ -135,6 +145,12 @@ def test_other_quantised_bases_are_refused_by_name(pg, folder):
         yashard.shard(m8)
     with pytest.raises(ValueError, match="quantised with bitsandbytes 8-bit"):
         yashard.plan(m8, world_size=2, backend="gloo")
+    import bitsandbytes as bnb
+
+    raw = AutoModelForCausalLM.from_pretrained(folder)
+    raw.model.layers[0].mlp.up_proj = bnb.nn.Linear4bit(64, 128, bias=False)  # (never moved: not quantised)
+    with pytest.raises(ValueError, match="a bitsandbytes 4-bit weight not quantised yet"):
+        yashard.shard(raw)
 
 
 def test_records_align_every_part():
@@ -191,6 +207,15 @@ def test_a_checkpoint_resumes_at_another_world_size(folder, tmp_path):
             assert (resumed["state"][k] - v).abs().max() <= 2e-3 * v.abs().max(), k
         else:  # the 4-bit weights and their state, the norms, the embedding: bitwise
             assert torch.equal(resumed["state"][k], v), k
+
+
+def test_the_finetune_recipe_refuses_freeze_with_qlora():
+    import test_recipes  # noqa: F401  (puts recipes/ on the path)
+
+    import finetune
+
+    with pytest.raises(ValueError, match="--qlora trains LoRA adapters on a frozen 4-bit base: --freeze embed"):
+        finetune.FinetuneConfig(qlora=True, freeze="embed").validate()
 
 
 def test_the_finetune_recipe_trains_qlora_and_writes_the_adapter(tmp_path):

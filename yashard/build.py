@@ -55,15 +55,12 @@ def compact_grads(config: ShardConfig, shard_world: int, direct: bool) -> bool:
             and dtype_bytes(config.param_dtype) < dtype_bytes(config.wire_dtype))
 
 
-def master_dtype(config: ShardConfig, trains: bool, packed: bool = False) -> torch.dtype:
+def master_dtype(config: ShardConfig, trains: bool) -> torch.dtype:
     """The dtype a unit's master shard is kept in: fp32, except for a frozen unit (every parameter
     frozen at ``shard()``) under a 16-bit ``param_dtype``, which keeps its shard in ``param_dtype``.
     Its weights never change and are gathered in ``param_dtype`` anyway, so the fp32 master rounded
     once at build gives the bits every gather would (the gathers need no cast, and direct slots no
-    cast copy); 2 bytes per element instead of 4. A byte unit's (``packed``: bitsandbytes 4-bit
-    weights with their quantisation state, :mod:`yashard.bnb4`) is its bytes, uint8."""
-    if packed:
-        return torch.uint8
+    cast copy); 2 bytes per element instead of 4. (A byte unit's is uint8: :func:`unit_master_dtype`.)"""
     if not trains and dtype_bytes(config.param_dtype) < 4:
         return config.param_dtype
     return torch.float32
@@ -116,6 +113,14 @@ def layouts_of(groups: dict[str, list], world: int, config: ShardConfig) -> dict
             out[key] = build_layout([(fqns[0], p.shape) for p, _, fqns in members], world, param_align=PARAM_ALIGN,
                                     shard_align=config.shard_align)
     return out
+
+
+def unit_master_dtype(config: ShardConfig, members: list) -> torch.dtype:
+    """The dtype of a unit's master: its bytes, uint8, for a byte unit (bitsandbytes 4-bit weights
+    with their quantisation state, :mod:`yashard.bnb4`), else :func:`master_dtype`."""
+    if is_packed(members):
+        return torch.uint8
+    return master_dtype(config, any(p.requires_grad for p, _, _ in members))
 
 
 def is_packed(members: list) -> bool:

@@ -31,8 +31,7 @@ def materialise(model: nn.Module, weights: str | None, comm: Comm, config: Shard
     folder or the model's own init."""
     rank = comm.shard_rank
     masters = {k: torch.zeros(layouts[k].shard_numel, device=device,
-                              dtype=build.master_dtype(config, any(p.requires_grad for p, _, _ in members),
-                                                       build.is_packed(members)))
+                              dtype=build.unit_master_dtype(config, members))
                 for k, members in groups.items()}
     meta = materialize.is_meta_model(model)
     packed = [k for k, members in groups.items() if build.is_packed(members)]

@@ -90,7 +90,7 @@ def memory_inputs(model: nn.Module, config: ShardConfig, topo: Topology, backend
             frozen = sum(hi - lo for lo, hi in shard_ranges_of(layout, shard_rank, [not t for t in trainable]))
         units.append(UnitSize(layout.shard_numel, any(trainable), frozen,
                               layout.padded if key.startswith("layer_") else None,
-                              build.master_dtype(config, any(trainable), build.is_packed(members))))
+                              build.unit_master_dtype(config, members)))
     # What the default hook asks for on every trained unit's bucket (Reducer.plan_workspaces), kept
     # once per name at the largest request, as Reducer.workspace grows it.
     comm = _PlannedComm(world, needs_reduce_scatter_scratch(backend == "gloo", world))

@@ -151,6 +151,8 @@ def train_sharded(rank: int, world: int, folder: str, variant: str, adapter_dir:
         opt_bytes=sum(t.numel() * t.element_size() for t in moments), adamw_bytes=plan.adamw_bytes,
         plan=plan.total_bytes, rows={r.name: r.bytes for r in plan.rows},
         allocated=sum(t.numel() * t.element_size() for t in rt.allocated_tensors().values()),
+        planned={r.name: r.bytes for r in yashard.plan(qlora_model(folder, variant), world_size=world,
+                                                       backend="gloo").rows},
         layer_gathers=sorted({r.nbytes for r in rt.comm.log.records if r.op == "all_gather" and r.unit == "layer_0"}),
     )
 

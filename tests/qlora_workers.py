@@ -191,3 +191,25 @@ def checkpoint_round_trip(rank: int, world: int, folder: str, path: str, save: b
     loss = step(data[1])
     full = sm.full_state_dict()
     return dict(loss=loss, state={k: v.clone() for k, v in full.items() if torch.is_tensor(v)})
+
+
+def train_with_trainer(rank: int, world: int, folder: str, out: str) -> dict:
+    """Two steps of yashard.hf.Trainer on a QLoRA model, then its save_model; the sharded model's
+    logits after, for the saved adapter to match."""
+    from datasets import Dataset
+    from transformers import TrainingArguments
+
+    import yashard.hf
+
+    data = _data()[0]
+    ds = Dataset.from_dict({"input_ids": data.tolist(), "labels": data.tolist()})
+    args = TrainingArguments(output_dir=out, per_device_train_batch_size=1, max_steps=2, report_to=[], use_cpu=True,
+                             save_strategy="no", logging_steps=1, learning_rate=LR)
+    trainer = yashard.hf.Trainer(model=qlora_model(folder, "u8"), args=args, train_dataset=ds)
+    result = trainer.train()
+    trainer.save_model(out)
+    model = trainer.model
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=data[:2]).logits.float()
+    return dict(loss=result.training_loss, logits=logits, steps=result.global_step)

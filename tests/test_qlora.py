@@ -232,3 +232,19 @@ def test_the_finetune_recipe_trains_qlora_and_writes_the_adapter(tmp_path):
     assert [r["step"] for r in log if "loss" in r] == [1, 2]
     assert PeftConfig.from_pretrained(str(out / "final")).r == 16
     assert all(".lora_" in k for k in load_file(out / "final" / "adapter_model.safetensors"))
+
+
+def test_the_hf_trainer_trains_qlora_and_saves_the_adapter(folder, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from qlora_workers import _data, train_with_trainer
+
+    out = str(tmp_path / "out")
+    res = run_distributed(train_with_trainer, 2, folder, out, timeout=480)[0]
+    assert res["steps"] == 2 and res["loss"] > 0
+    base = AutoModelForCausalLM.from_pretrained(folder, quantization_config=bnb_config("u8"), dtype=torch.float32)
+    loaded = PeftModel.from_pretrained(base, out).eval()
+    with torch.no_grad():
+        logits = loaded(input_ids=_data()[0][:2]).logits.float()
+    assert (logits - res["logits"]).abs().max().item() < 2e-3

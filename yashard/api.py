@@ -245,13 +245,13 @@ def _from_pretrained_4bit(path, config, process_group, mesh, peft_config, model_
     """A bitsandbytes 4-bit base: every rank loads it with transformers (quantised as it loads, 0.5
     byte per parameter plus its state), applies ``peft_config``, and :func:`shard` keeps its shard of
     each layer's packed bytes."""
-    import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
+    from .collectives import group_backend
+
     device = config.device if config is not None and config.device is not None else None
-    if device is None:
-        group_backend = dist.get_backend(process_group) if dist.is_initialized() else ""
-        cuda = "nccl" in str(group_backend) and torch.cuda.is_available()
+    if device is None:  # (as shard() picks it: the current CUDA device under NCCL, else the CPU)
+        cuda = "nccl" in group_backend(process_group) and torch.cuda.is_available()
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     model_kwargs.setdefault("dtype", config.param_dtype if config is not None else torch.float32)
     model = AutoModelForCausalLM.from_pretrained(os.fspath(path), device_map={"": device}, local_files_only=True,

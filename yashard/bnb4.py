@@ -101,9 +101,3 @@ class Rebuild:
                 setattr(state.state2 if name.startswith("qs.state2.") else state, name.rsplit(".", 1)[1], v)
         return self.cls(views["data"], requires_grad=False, quant_state=state, **self.kwargs)
 
-    def dequantize(self, flat: torch.Tensor) -> torch.Tensor:
-        """The weight the record's bytes hold, dequantised in fp32 (exports and merges)."""
-        import bitsandbytes.functional as bnbf
-
-        w = self(flat)
-        return bnbf.dequantize_4bit(w.data, w.quant_state).float()

@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node 2 recipes/finetune.py --steps 30 --lr 2e-3
     python recipes/finetune.py --param-dtype bf16            # one process, no torchrun
+    python recipes/finetune.py --qlora                       # LoRA on a 4-bit NF4 base; final/ is the adapter
     torchrun --nproc_per_node 8 recipes/finetune.py --model PATH --tokenizer PATH --data sft.jsonl
 
 With no --model/--tokenizer/--data it trains a tiny random-init Llama on Python standard library
@@ -23,6 +24,15 @@ from train import TrainConfig
 class FinetuneConfig(TrainConfig):
     model: str | None = field(default=None, metadata={"help": "local HF checkpoint folder (default: tiny random Llama)"})
     out_dir: str = field(default="runs/finetune", metadata={"help": "where logs, plot and checkpoint go"})
+    qlora: bool = field(default=False, metadata={"help": "QLoRA: LoRA r=16 on every linear layer of the model loaded "
+                                                         "as a bitsandbytes NF4 base (double quantisation); final/ is "
+                                                         "the adapter"})
+
+    def validate(self) -> None:
+        super().validate()
+        if self.qlora and self.freeze:
+            raise ValueError(f"--qlora trains LoRA adapters on a frozen 4-bit base: --freeze {self.freeze} has nothing "
+                             "to freeze; leave it out")
 
 
 def parse_config(argv: list[str] | None = None) -> FinetuneConfig:

@@ -360,6 +360,8 @@ def parse_config(cls: type, argv: list[str] | None = None, description: str | No
         if "default" not in text:
             text += f" (default: {f.default})"
         kwargs = dict(default=f.default, help=text, type=_parse_bool if tp is bool else tp)
+        if tp is bool:  # (a bare --flag is true)
+            kwargs.update(nargs="?", const=True)
         if "choices" in f.metadata:
             kwargs["choices"] = f.metadata["choices"]
         names = dict.fromkeys([f"--{f.name.replace('_', '-')}", f"--{f.name}"])  # one name if no "_"

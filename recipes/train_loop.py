@@ -235,7 +235,10 @@ def write_outputs(s: Session, history: list[dict], *, save_final: bool = True, p
     it covers every logged step of the run, resumed segments included.
     """
     if save_final:
-        yashard.export_hf(s.model, s.out_dir / "final")
+        if getattr(s.cfg, "qlora", False):  # (a 4-bit base has no float HF folder to export: the adapter)
+            yashard.save_adapter(s.model, s.out_dir / "final")
+        else:
+            yashard.export_hf(s.model, s.out_dir / "final")
         if s.is_main:
             write_tokenizer(s.tok, s.out_dir / "final")
     if not s.is_main or not history:

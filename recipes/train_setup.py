@@ -298,6 +298,32 @@ def setup(cfg: TrainConfig) -> Session:
         raise
 
 
+def qlora_model(cfg: TrainConfig, hf_model, model_path: str | None, device: torch.device, is_main: bool):
+    """``--qlora``: the model loaded as a bitsandbytes NF4 base (double quantisation, computing in
+    ``--param-dtype``), its other weights in fp32 (peft's ``prepare_model_for_kbit_training``), and
+    LoRA r=16 on every linear layer. The embedded default model is saved to ``out_dir/base`` first
+    and loaded from there."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    folder = model_path
+    if folder is None:
+        folder = str(Path(cfg.out_dir) / "base")
+        if is_main:
+            hf_model.save_pretrained(folder)
+        dist.barrier()
+    bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                             bnb_4bit_compute_dtype=DTYPES[cfg.param_dtype])
+    base = AutoModelForCausalLM.from_pretrained(folder, quantization_config=bnb, dtype=torch.float32,
+                                                device_map={"": device})
+    base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)  # (--checkpoint-layers does)
+    for m in base.modules():  # bitsandbytes 0.50 repacks a CPU layer's weights for no-grad evaluation, which
+        if hasattr(m, "support_avx512bf16_for_cpu"):  # needs rows of whole 64-blocks: the tiny preset's 352 is not
+            m.support_avx512bf16_for_cpu = False
+    torch.manual_seed(cfg.seed)
+    return get_peft_model(base, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear"))
+
+
 def _setup(cfg: TrainConfig) -> Session:
     rank, world_size, device = init_distributed()
     is_main = rank == 0
@@ -324,6 +350,9 @@ def _setup(cfg: TrainConfig) -> Session:
                          "the Python standard library, differs between Python releases and builds)")
 
     hf_model = build_model(cfg, tok, note=print if is_main else None)
+    if getattr(cfg, "qlora", False):  # (finetune.py --qlora)
+        hf_model = qlora_model(cfg, hf_model, model_path, device, is_main)
+        model_path = None  # (loaded, quantised: shard() reads the live 4-bit weights)
     n_params = sum(p.numel() for p in hf_model.parameters())
     n_frozen = freeze(hf_model, cfg.freeze)
     frozen_params = frozen_names(hf_model)  # (before sharding: the names the checkpoint records)

@@ -77,7 +77,8 @@ def shard(model: nn.Module, *, config: ShardConfig | None = None, process_group=
         raise ValueError("model is already sharded by yashard; call yashard.shard once per model")
     if not isinstance(model, nn.Module):
         raise TypeError(f"yashard.shard expects an nn.Module, got {type(model).__name__}")
-    low = low_precision_dtype(p.dtype for p in model.parameters() if p.is_floating_point())
+    low = low_precision_dtype(p.dtype for p in model.parameters()  # (4-bit weights' storage dtype: packed bytes)
+                              if p.is_floating_point() and type(p).__name__ != "Params4bit")
     if config is None:
         # a bf16/fp16 model computes in its dtype, as FSDP2 keeps it (the masters are fp32 all the same)
         config = ShardConfig() if low is None else ShardConfig(param_dtype=low)
@@ -109,6 +110,7 @@ def shard(model: nn.Module, *, config: ShardConfig | None = None, process_group=
                 "prompt learning methods (prompt tuning, prefix tuning, p-tuning) are not supported"
             )
     spec = resolve_spec(hf)
+    config = _take_over_kbit_checkpointing(hf, spec, config)
     device = _pick_device(config, comm)
     comm.device_type = device.type
     if mesh is not None and mesh.device_type != device.type:
@@ -133,6 +135,26 @@ def shard(model: nn.Module, *, config: ShardConfig | None = None, process_group=
     if comm.rank == 0:
         logger.info("%s", runtime.memory_plan())
     return wrapped
+
+
+def _take_over_kbit_checkpointing(hf: nn.Module, spec, config: ShardConfig) -> ShardConfig:
+    """peft's ``prepare_model_for_kbit_training`` turns HF gradient checkpointing on for a 4-bit
+    base. yashard checkpoints through its own layer hooks (HF's would re-run them in backward), so
+    for a 4-bit base it turns HF's off and checkpoints every layer itself
+    (``ShardConfig.checkpoint_layers``): what the unsharded model recomputes, the same values. Any
+    other model with HF checkpointing on is refused (``partition.validate``)."""
+    import dataclasses
+
+    from .patch.spec import get_path
+
+    flags = [f for f in ("is_activation_checkpointing", "is_gradient_checkpointing") if hasattr(type(hf), f)]
+    if not (flags and getattr(hf, flags[0]) and any(type(p).__name__ == "Params4bit" for p in hf.parameters())):
+        return config
+    (getattr(hf, "activation_checkpointing_disable", None) or hf.gradient_checkpointing_disable)()
+    n = len(get_path(hf, spec.layers))
+    logger.info("yashard: the 4-bit base has HF gradient checkpointing on (prepare_model_for_kbit_training): "
+                "yashard checkpoints its %d layers itself (ShardConfig.checkpoint_layers=%d)", n, n)
+    return dataclasses.replace(config, checkpoint_layers=n)
 
 
 def _folder_dtype(hf_config, path) -> torch.dtype:
@@ -177,8 +199,10 @@ _LOADER_KWARGS = {
     **dict.fromkeys(("device_map", "max_memory", "offload_folder", "offload_state_dict", "offload_buffers"),
                     "places weights on devices; yashard puts every rank's shards on ShardConfig(device=...) (the "
                     "process group's device by default)"),
-    **dict.fromkeys(("quantization_config", "load_in_8bit", "load_in_4bit", "gguf_file"),
-                    "loads quantized weights; yashard loads float weights only"),
+    **dict.fromkeys(("load_in_8bit", "load_in_4bit"),
+                    "is the old spelling of quantization_config; pass quantization_config=BitsAndBytesConfig("
+                    "load_in_4bit=True, ...) (yashard shards bitsandbytes 4-bit bases)"),
+    "gguf_file": "loads GGUF weights; yashard reads safetensors folders",
     **dict.fromkeys(("tp_plan", "tp_size", "device_mesh"),
                     "shards for tensor parallelism; yashard shards for data parallelism (mesh= for hybrid sharding)"),
     **dict.fromkeys(("revision", "cache_dir", "force_download", "proxies", "token", "resume_download"),
@@ -203,8 +227,44 @@ def _check_loader_kwargs(kwargs: dict) -> None:
                             "leave it out")
 
 
+def _check_quantization(qc) -> None:
+    """The quantisation a from_pretrained may ask for: bitsandbytes 4-bit, named otherwise."""
+    method = str(getattr(qc, "quant_method", "") or (qc.get("quant_method") if isinstance(qc, dict) else ""))
+    method = method.split(".")[-1].lower().replace("quantizationmethod.", "")
+    four = getattr(qc, "load_in_4bit", None) if not isinstance(qc, dict) else qc.get("load_in_4bit")
+    if method in ("bitsandbytes", "bits_and_bytes") and four:
+        return
+    what = ("bitsandbytes 8-bit (load_in_8bit)" if method in ("bitsandbytes", "bits_and_bytes") else
+            f"{method or type(qc).__name__} quantisation")
+    raise ValueError(f"yashard.from_pretrained(quantization_config=...) asks for {what}; yashard shards "
+                     "bitsandbytes 4-bit bases only: pass BitsAndBytesConfig(load_in_4bit=True, ...), or leave "
+                     "quantization_config out for float weights")
+
+
+def _from_pretrained_4bit(path, config, process_group, mesh, peft_config, model_kwargs) -> ShardedModel:
+    """A bitsandbytes 4-bit base: every rank loads it with transformers (quantised as it loads, 0.5
+    byte per parameter plus its state), applies ``peft_config``, and :func:`shard` keeps its shard of
+    each layer's packed bytes."""
+    from transformers import AutoModelForCausalLM
+
+    from .collectives import group_backend
+
+    device = config.device if config is not None and config.device is not None else None
+    if device is None:  # (as shard() picks it: the current CUDA device under NCCL, else the CPU)
+        cuda = "nccl" in group_backend(process_group) and torch.cuda.is_available()
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    model_kwargs.setdefault("dtype", config.param_dtype if config is not None else torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(os.fspath(path), device_map={"": device}, local_files_only=True,
+                                                 **model_kwargs)
+    if peft_config is not None:
+        from peft import get_peft_model
+
+        model = get_peft_model(model, peft_config)
+    return shard(model, config=config, process_group=process_group, mesh=mesh)
+
+
 def from_pretrained(path: str | os.PathLike, *, config: ShardConfig | None = None, process_group=None,
-                    mesh=None, **model_kwargs) -> ShardedModel:
+                    mesh=None, quantization_config=None, peft_config=None, **model_kwargs) -> ShardedModel:
     """Build the HF causal LM of a local checkpoint folder on the meta device and shard it from the
     folder's safetensors files; no rank ever holds the full model. ``model_kwargs`` go to
     ``AutoModelForCausalLM.from_config`` (e.g. ``attn_implementation="sdpa"``); ``dtype=torch.bfloat16``
@@ -214,7 +274,12 @@ def from_pretrained(path: str | os.PathLike, *, config: ShardConfig | None = Non
     warning, for a folder in another dtype, e.g. float64), fp32 before.
     transformers' loading arguments that ask for what yashard always does (``low_cpu_mem_usage``,
     ``local_files_only``, ``use_safetensors=True``) are accepted; the others (``device_map``,
-    ``revision``, quantization, ...) are refused, naming why."""
+    ``revision``, ...) are refused, naming why.
+
+    ``quantization_config=BitsAndBytesConfig(load_in_4bit=True, ...)`` loads a 4-bit base (QLoRA):
+    each rank loads it with transformers, quantised as it loads, and keeps its shard of every layer's
+    packed bytes. ``peft_config`` (a ``peft.LoraConfig``) is applied to it before sharding. Other
+    quantisations are refused by name."""
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -226,6 +291,15 @@ def from_pretrained(path: str | os.PathLike, *, config: ShardConfig | None = Non
             "AutoModelForCausalLM.from_config(hf_config)) and call yashard.shard(model, weights=path)"
         )
     _check_loader_kwargs(model_kwargs)
+    if quantization_config is not None:
+        _check_quantization(quantization_config)
+        return _from_pretrained_4bit(path, config, process_group, mesh, peft_config,
+                                     {**model_kwargs, "quantization_config": quantization_config})
+    if peft_config is not None:
+        raise ValueError(
+            "yashard.from_pretrained(peft_config=...) goes with a 4-bit base (quantization_config=...): a float base "
+            "is built on the meta device and read from the folder, which holds no adapters. Build the model "
+            "(AutoModelForCausalLM.from_pretrained), apply get_peft_model, then call yashard.shard")
     trust = {k: model_kwargs[k] for k in ("trust_remote_code",) if k in model_kwargs}  # (from_config takes it too)
     hf_config = AutoConfig.from_pretrained(os.fspath(path), **trust)
     if "torch_dtype" in model_kwargs:  # (the older name of dtype)

@@ -15,11 +15,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from . import bnb4
 from .buffers import SharedBuffer, Slot
 from .collectives import Comm
 from .config import ShardConfig
 from .layout import FlatLayout, build_layout, outer_arena, reduce_chunk, slot_assignment
 from .memory import dtype_bytes
+from .packed import PART_ALIGN, byte_shard_align
 from .pass_state import PassState
 from .patch.spec import ModelSpec
 from .stub import ShardedStub, sharded_message
@@ -59,7 +61,7 @@ def master_dtype(config: ShardConfig, trains: bool) -> torch.dtype:
     frozen at ``shard()``) under a 16-bit ``param_dtype``, which keeps its shard in ``param_dtype``.
     Its weights never change and are gathered in ``param_dtype`` anyway, so the fp32 master rounded
     once at build gives the bits every gather would (the gathers need no cast, and direct slots no
-    cast copy); 2 bytes per element instead of 4."""
+    cast copy); 2 bytes per element instead of 4. (A byte unit's is uint8: :func:`unit_master_dtype`.)"""
     if not trains and dtype_bytes(config.param_dtype) < 4:
         return config.param_dtype
     return torch.float32
@@ -99,12 +101,38 @@ def warn_idle_settings(config: ShardConfig, comm: Comm) -> None:
 
 
 def layouts_of(groups: dict[str, list], world: int, config: ShardConfig) -> dict[str, FlatLayout]:
-    """Each unit's flat layout over ``world`` ranks."""
-    return {
-        key: build_layout([(fqns[0], p.shape) for p, _, fqns in members], world, param_align=PARAM_ALIGN,
-                          shard_align=config.shard_align)
-        for key, members in groups.items()
-    }
+    """Each unit's flat layout over ``world`` ranks. A byte unit (bitsandbytes 4-bit weights:
+    :func:`is_packed`) is laid out in bytes: each weight one entry, the bytes of its record
+    (:func:`yashard.bnb4.record_of`), every entry at a multiple of 64 bytes and every shard a multiple
+    of ``shard_align`` fp32 elements' bytes."""
+    out = {}
+    for key, members in groups.items():
+        if is_packed(members):
+            out[key] = build_layout([(fqns[0], (bnb4.record_of(p).nbytes,)) for p, _, fqns in members], world,
+                                    param_align=PART_ALIGN, shard_align=byte_shard_align(config.shard_align))
+        else:
+            out[key] = build_layout([(fqns[0], p.shape) for p, _, fqns in members], world, param_align=PARAM_ALIGN,
+                                    shard_align=config.shard_align)
+    return out
+
+
+def unit_master_dtype(config: ShardConfig, members: list) -> torch.dtype:
+    """The dtype of a unit's master: its bytes, uint8, for a byte unit (bitsandbytes 4-bit weights
+    with their quantisation state, :mod:`yashard.bnb4`), else :func:`master_dtype`."""
+    if is_packed(members):
+        return torch.uint8
+    return master_dtype(config, any(p.requires_grad for p, _, _ in members))
+
+
+def is_packed(members: list) -> bool:
+    """A unit of bitsandbytes 4-bit weights, held as bytes (``partition.check_packed`` made sure
+    all of its members are)."""
+    return any(bnb4.is_4bit(p) for p, _, _ in members)
+
+
+def packed_slots(groups: dict[str, list], slot_of: dict[str, str]) -> set[str]:
+    """The slots of byte units: their weight buffers are bytes (uint8)."""
+    return {slot_of[key] for key, members in groups.items() if is_packed(members)}
 
 
 def slot_sizes(groups: dict[str, list], layouts: dict[str, FlatLayout], config: ShardConfig, direct: bool = False):
@@ -144,17 +172,19 @@ def shared_arenas(sizes: dict[str, int], grad_sizes: dict[str, int], n_layers: i
 
 def make_slots(sizes: dict[str, int], grad_sizes: dict[str, int], world: int, config: ShardConfig,
                device: torch.device, direct: bool, direct_grads: bool, compact: bool = False,
-               n_layers: int = 0) -> tuple[dict[str, Slot], SharedBuffer | None]:
+               n_layers: int = 0, packed: set[str] = frozenset()) -> tuple[dict[str, Slot], SharedBuffer | None]:
     """The slot buffers (a slot of size 0, every unit in it empty, is left out) and the buffer
     they share, if they do (:func:`shares_outer`); ``compact``: the gradient buffers in
-    ``param_dtype`` (:func:`compact_grads`)."""
+    ``param_dtype`` (:func:`compact_grads`); ``packed``: the slots whose weights are bytes
+    (:func:`packed_slots`)."""
     grad_dtype = config.param_dtype if compact else config.wire_dtype
     grad_sizes = {name: 0 if direct_grads else g for name, g in grad_sizes.items()}
     shared = None
     if shares_outer(config, direct):
         shared = SharedBuffer(*shared_arenas(sizes, grad_sizes, n_layers), config.param_dtype, grad_dtype, device)
     slots = {
-        name: Slot(name, numel, world, config.param_dtype, grad_dtype, device, direct=direct,
+        name: Slot(name, numel, world, torch.uint8 if name in packed else config.param_dtype, grad_dtype, device,
+                   direct=direct,
                    grad_numel=grad_sizes[name],
                    shared=shared if shared is not None and name in shared.weight_arena.offsets else None)
         for name, numel in sizes.items()
@@ -202,7 +232,8 @@ def make_units(groups: dict[str, list], layouts: dict[str, FlatLayout], slots: d
             idx, kind = int(key.split("_")[1]), "layer"
         else:
             idx, kind = -1, "small" if key in ("small", "adapters") else "outer"  # (resident groups: "small")
-        master = MasterShard(masters.pop(key))
+        shard = masters.pop(key)
+        master = MasterShard(shard, requires_grad=shard.is_floating_point())  # (a byte unit's: frozen bytes)
         unit = Unit(
             state, shard_rank, key, kind, idx, layout,
             locations=[locs for _, locs, _ in members],
@@ -215,15 +246,21 @@ def make_units(groups: dict[str, list], layouts: dict[str, FlatLayout], slots: d
         # with a 16-bit param_dtype that is a cast copy of an fp32 master, kept (a frozen unit's
         # master is in param_dtype already: master_dtype). Every other gather casts an fp32 master
         # into this rank's own chunk of the slot and gathers in place (gathers.py).
-        if direct and master.dtype != config.param_dtype:
+        if direct and master.dtype != slot.weights.dtype:
             unit.gather_src = torch.empty(master.shape, dtype=config.param_dtype, device=device)
         if direct:  # (an alias: the views' in-place writes move its own version counter)
             unit.direct_source = own_version_alias(unit.gather_src)
         if config.secondary_group_size is not None and kind == "layer":  # hpZ: this rank's secondary slice
             unit.secondary = torch.empty(layout.padded // config.secondary_group_size, dtype=config.param_dtype,
                                          device=device)
+        if is_packed(members):  # a 4-bit weight's view: a Params4bit over its record's bytes in the slot
+            unit.rebuild = [bnb4.Rebuild(p, bnb4.record_of(p)) for p, _, _ in members]
         for entry, (p, locs, fqns) in enumerate(members):  # the HF modules no longer own these parameters
             removed[p] = fqns[0]
+            if unit.rebuild is not None:
+                for module, _ in locs:  # (bitsandbytes' copy of the state: the views carry their own)
+                    if getattr(module, "quant_state", None) is not None:
+                        module.quant_state = None
             for (module, attr), fqn in zip(locs, fqns):
                 module._parameters.pop(attr, None)
                 mark_sharded(module, attr, fqn, p.shape, unit, entry, config.param_dtype, device)

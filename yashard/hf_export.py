@@ -216,6 +216,11 @@ def export_hf(model, path: str | os.PathLike, *, dtype: torch.dtype | None = Non
     :func:`yashard.save_adapter`.
     """
     rt = runtime_of(model, "export_hf")
+    if any(u.rebuild is not None for u in rt.units):
+        raise ValueError(
+            "export_hf cannot write a 4-bit base (QLoRA): its layers hold bitsandbytes' packed weights, which an HF "
+            "folder of float weights cannot hold and which a merge of the adapters would round again. Save the "
+            "adapters with yashard.save_adapter and load them onto the 4-bit base with PeftModel.from_pretrained")
     comm = rt.comm
     dtype = torch.float32 if dtype is None else dtype
     if dtype not in _EXPORT_DTYPES:

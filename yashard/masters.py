@@ -31,9 +31,14 @@ def materialise(model: nn.Module, weights: str | None, comm: Comm, config: Shard
     folder or the model's own init."""
     rank = comm.shard_rank
     masters = {k: torch.zeros(layouts[k].shard_numel, device=device,
-                              dtype=build.master_dtype(config, any(p.requires_grad for p, _, _ in members)))
+                              dtype=build.unit_master_dtype(config, members))
                 for k, members in groups.items()}
     meta = materialize.is_meta_model(model)
+    packed = [k for k, members in groups.items() if build.is_packed(members)]
+    if packed and (meta or weights is not None):
+        raise ValueError(
+            "a 4-bit base is sharded from its live quantised weights: load it with transformers' from_pretrained("
+            "..., quantization_config=BitsAndBytesConfig(load_in_4bit=True)), not on the meta device or with weights=")
     if meta and weights is None:
         live = [n for n, p in model.named_parameters() if not p.is_meta]
         if live:
@@ -58,7 +63,7 @@ def materialise(model: nn.Module, weights: str | None, comm: Comm, config: Shard
     else:
         sync = config.sync_module_states and comm.world > 1
         materialize.from_live(groups, layouts, masters, rank,
-                              (lambda flat, key: comm.broadcast(flat, 0, key)) if sync else None)
+                              (lambda flat, key: comm.broadcast(flat, 0, key)) if sync else None, set(packed))
     return masters
 
 
@@ -84,8 +89,9 @@ def gather_whole(comm: Comm, unit, shard: torch.Tensor, what: str) -> torch.Tens
     """``shard`` (this rank's part of ``unit``: its master, or its gradient) all-gathered over the
     shard group into the unit's whole flat vector, padding included, in fp32. Collective: every
     rank of the shard group, the same unit. A 16-bit frozen master is gathered in its own dtype and
-    widened after, which is exact. ``what`` names the caller in a timeout's message."""
+    widened after, which is exact. A byte unit's (4-bit weights) stays bytes. ``what`` names the caller
+    in a timeout's message."""
     flat = torch.empty(unit.layout.padded, dtype=shard.dtype, device=shard.device)
     comm.wait(comm.all_gather(flat, shard.detach().contiguous(), unit.name), f"all_gather of {unit.name} ({what})",
               host=True)
-    return flat.float()
+    return flat if flat.dtype == torch.uint8 else flat.float()

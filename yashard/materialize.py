@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from . import bnb4
 from .layout import FlatLayout, shard_pieces
 
 # (unit key, entry index) of every parameter, by id(param)
@@ -42,13 +43,19 @@ def copy_pieces(master: torch.Tensor, layout: FlatLayout, rank: int, index: int,
 
 
 # ------------------------------------------------------------------------------------------ live
-def from_live(groups, layouts, masters, rank: int, broadcast: Callable[[torch.Tensor, str], None] | None) -> None:
-    """Masters from materialised parameters; ``broadcast(flat, unit)`` syncs rank 0's copy."""
+def from_live(groups, layouts, masters, rank: int, broadcast: Callable[[torch.Tensor, str], None] | None,
+              packed: set[str] = frozenset()) -> None:
+    """Masters from materialised parameters; ``broadcast(flat, unit)`` syncs rank 0's copy. A byte
+    unit (``packed``: 4-bit weights) holds each weight's record of bytes (:func:`yashard.bnb4.pack`)."""
     for key, members in groups.items():
         layout = layouts[key]
-        flat = torch.zeros(layout.padded, dtype=torch.float32, device=masters[key].device)
+        flat = torch.zeros(layout.padded, dtype=torch.uint8 if key in packed else torch.float32,
+                           device=masters[key].device)
         for entry, (p, _, _) in zip(layout.entries, members):
-            flat[entry.offset : entry.end].copy_(p.detach().reshape(-1))
+            if key in packed:
+                bnb4.pack(p, bnb4.record_of(p), flat[entry.offset : entry.end])
+            else:
+                flat[entry.offset : entry.end].copy_(p.detach().reshape(-1))
         if broadcast is not None:
             broadcast(flat, key)
         lo, hi = layout.shard_range(rank)

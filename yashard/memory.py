@@ -75,6 +75,7 @@ class SlotSize:
     grad_numel: int
     direct: bool
     shared: bool = False  # a view of the buffer the layer slots and the outer units' slots share
+    packed: bool = False  # its weights are bytes (4-bit weights with their quantisation state): 1 byte each
 
 
 @dataclass(frozen=True)
@@ -144,6 +145,11 @@ def plan_memory(inp: MemoryInputs) -> MemoryPlan:
                 rows.append(_shared_outer_row(outer, [s for s in inp.slots if s.shared and s not in outer], p, gs_bytes))
             continue
         s, gs = slot.numel, slot.grad_numel
+        if slot.packed:  # 4-bit weights and their quantisation state, S bytes: frozen, no gradients
+            rows.append(MemoryRow(f"slot {slot.name}", s, (0 if slot.direct else s) + gs * gs_bytes,
+                                  "weights: the unit's own shard" if slot.direct else
+                                  f"S={s} bytes: 4-bit weights and their quantisation state"))
+            continue
         if gs != s:  # units whose parameters are all frozen use it: grads sized by the others (G)
             weights = "weights: the unit's own shard" if slot.direct else f"S*{p} weights"
             rows.append(MemoryRow(f"slot {slot.name}", s, (0 if slot.direct else s * p) + gs * gs_bytes,
@@ -176,7 +182,12 @@ def plan_memory(inp: MemoryInputs) -> MemoryPlan:
     nt = sum(u.shard_numel for u in inp.units if u.trains)
     nf = sum(u.frozen_numel for u in inp.units)
     # frozen units' shards kept in the 16-bit param_dtype (Z/W; every other master is fp32)
-    nz = sum(u.shard_numel for u in inp.units if u.master_dtype != torch.float32)
+    nz = sum(u.shard_numel for u in inp.units if u.master_dtype not in (torch.float32, torch.uint8))
+    nq = sum(u.shard_numel for u in inp.units if u.master_dtype == torch.uint8)  # 4-bit byte units' shards
+    if nq:
+        n -= nq
+        rows.append(MemoryRow("4-bit shards", nq, nq, f"Q/W={nq} bytes: packed 4-bit weights and their quantisation "
+                                                      "state (absmax, nested absmax and code), as bitsandbytes holds them"))
     if nz:
         rows.append(MemoryRow("fp32 master shards", n - nz, 4 * (n - nz),
                               f"(N-Z)/W={n - nz} * 4 (units with a trainable parameter)"))
@@ -216,6 +227,8 @@ def plan_memory(inp: MemoryInputs) -> MemoryPlan:
         shards = masters + (" + F*4" if nf else "")
     else:
         shards = f"N/W*(8{cast})" if nt == n else f"{masters} + T/W*4" + (" + F*4" if nf else "")
+    if nq:
+        shards += " + Q/W"
     if inp.direct_grads:
         slots = "no slot buffers (one rank: the views read the shards, gradients are added to the grad shards)"
     elif frozen_slots:

@@ -15,6 +15,7 @@ import zlib
 
 from torch import nn
 
+from . import bnb4
 from .collectives import Comm
 from .config import ShardConfig
 from .norm_group import is_small_param
@@ -34,6 +35,13 @@ def validate(model: nn.Module, spec: ModelSpec, config: ShardConfig) -> None:
             f"the model is already distributed by {wrapped}: yashard shards a plain HF model itself. Build the "
             "model without it (no fully_shard / FSDP / DeepSpeed / DTensor parameters) and pass that to yashard.shard"
         )
+    other = other_quantization(model)
+    if other is not None:
+        raise ValueError(
+            f"the model is quantised with {other}; yashard shards bitsandbytes 4-bit bases only (QLoRA: "
+            "BitsAndBytesConfig(load_in_4bit=True)). Load the base in 4-bit, or unquantised (bf16/fp32)")
+    if any(type(p).__name__ == "Params4bit" for p in model.parameters()):
+        check_packed(model, partition(model, spec), config)
     n_layers = len(get_path(model, spec.layers))
     ckpt = config.checkpoint_layers
     if ckpt > n_layers:
@@ -42,7 +50,8 @@ def validate(model: nn.Module, spec: ModelSpec, config: ShardConfig) -> None:
             f"use a value between 0 and {n_layers}"
         )
     flags = [f for f in ("is_activation_checkpointing", "is_gradient_checkpointing") if hasattr(type(model), f)]
-    if flags and getattr(model, flags[0]):
+    # (a 4-bit base's: prepare_model_for_kbit_training's, which shard() takes over, api._take_over_kbit_checkpointing)
+    if flags and getattr(model, flags[0]) and not any(type(p).__name__ == "Params4bit" for p in model.parameters()):
         raise ValueError(
             "the model has HF activation checkpointing enabled (activation_checkpointing_enable() / "
             "gradient_checkpointing_enable()); it would re-run yashard's layer hooks during backward. "
@@ -120,7 +129,7 @@ def partition(model: nn.Module, spec: ModelSpec) -> dict[str, list]:
             if fqn not in rec[2]:
                 rec[2].append(fqn)
     for p, _, fqns in locations.values():
-        if not p.is_floating_point():
+        if not p.is_floating_point() and not bnb4.is_4bit(p):
             raise ValueError(
                 f"parameter {fqns[0]} has dtype {p.dtype}; yashard shards floating-point parameters only: "
                 "register it as a buffer (module.register_buffer) if it is not trained"
@@ -161,6 +170,63 @@ def partition(model: nn.Module, spec: ModelSpec) -> dict[str, list]:
         else:
             groups[keys.pop()].append((p, locs, fqns))
     return {k: v for k, v in groups.items() if v}
+
+
+def packed_units(groups: dict[str, list]) -> set[str]:
+    """The units of bitsandbytes 4-bit weights (byte units: :mod:`yashard.bnb4`)."""
+    return {key for key, members in groups.items() if any(bnb4.is_4bit(p) for p, _, _ in members)}
+
+
+def other_quantization(model: nn.Module) -> str | None:
+    """The quantisation yashard does not shard that ``model`` holds, named, with where; else None."""
+    for name, m in model.named_modules():
+        kind = bnb4.OTHER_QUANTIZED.get(type(m).__name__)
+        if kind is not None:
+            return f"{kind} ({type(m).__name__} at {name or 'the root'})"
+        for attr, p in m._parameters.items():
+            if p is None:
+                continue
+            kind = bnb4.OTHER_QUANTIZED.get(type(p).__name__)
+            if kind is None and type(p).__name__ == "Params4bit" and not bnb4.is_4bit(p):
+                kind = "a bitsandbytes 4-bit weight not quantised yet (no quant_state: move the model to its device first)"
+            if kind is not None:
+                return f"{kind} ({type(p).__name__} {name}.{attr})"
+    return None
+
+
+def check_packed(model: nn.Module, groups: dict[str, list], config: ShardConfig) -> None:
+    """What yashard refuses of a 4-bit base: a 4-bit weight anywhere but in a decoder layer whose weights with two or more dimensions are all
+    4-bit and frozen (QLoRA's frozen base, in byte units), and the settings that read a layer slot
+    as ``param_dtype`` elements."""
+    packed = packed_units(groups)
+    if not packed:
+        return
+    for key in packed:
+        for p, _, fqns in groups[key]:
+            if not key.startswith("layer_"):
+                raise ValueError(
+                    f"{fqns[0]} is a 4-bit weight outside the decoder layers; yashard shards 4-bit weights of the "
+                    "decoder layers only: keep the embedding and the lm_head unquantised (transformers does by "
+                    "default; llm_int8_skip_modules=['lm_head'])")
+            if not bnb4.is_4bit(p):
+                raise ValueError(
+                    f"{fqns[0]} is not 4-bit but shares its decoder layer with 4-bit weights; yashard holds a 4-bit "
+                    "layer as bytes: quantise every linear layer of the decoder layers (leave "
+                    "llm_int8_skip_modules to the lm_head)")
+            if p.requires_grad:
+                raise ValueError(f"{fqns[0]} is a 4-bit weight that requires grad; 4-bit weights are frozen: "
+                                 "train adapters on them (peft's get_peft_model)")
+    plain = [k for k in groups if k.startswith("layer_") and k not in packed]
+    if plain:
+        raise ValueError(
+            f"decoder layer {plain[0].split('_')[1]} has no 4-bit weight while others have; yashard's layer slots hold "
+            "either bytes or param_dtype elements: quantise every decoder layer or none")
+    what = ("quantized_weights (qwZ)" if config.quantized_weights else
+            "secondary_group_size (hpZ)" if config.secondary_group_size is not None else
+            "share_outer_slot=True" if config.share_outer_slot else None)
+    if what is not None:
+        raise ValueError(f"ShardConfig {what} does not work with a 4-bit base: its layers are gathered as packed "
+                         "bytes already. Leave it out")
 
 
 def check_same_model(comm: Comm, config: ShardConfig, groups: dict[str, list]) -> None:

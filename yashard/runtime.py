@@ -63,7 +63,8 @@ class Runtime:
         compact = build.compact_grads(config, self.world, self.direct)
         self.slots, self.shared = build.make_slots(sizes, grad_sizes, self.world, config, device, self.direct,
                                                    self.state.direct_grads, compact,
-                                                   n_layers=sum(k.startswith("layer_") for k in groups))
+                                                   n_layers=sum(k.startswith("layer_") for k in groups),
+                                                   packed=build.packed_slots(groups, slot_of))
         self.reducer = Reducer(comm, config, self.streams, self.state,
                                max(grad_sizes[name] for name in self.slots) // self.world, device,
                                build.staging_chunk(grad_sizes, self.world, config) if compact else 0)
@@ -306,8 +307,8 @@ class Runtime:
         """What the memory plan is a formula of: the sizes this runtime allocated."""
         return MemoryInputs(
             config=self.config, world=self.world,
-            slots=tuple(SlotSize(s.name, s.numel, s.grad_numel, s.direct, s.shared is not None)
-                        for s in self.slots.values()),
+            slots=tuple(SlotSize(s.name, s.numel, s.grad_numel, s.direct, s.shared is not None,
+                                 s.weights.dtype == torch.uint8) for s in self.slots.values()),
             units=tuple(UnitSize(u.layout.shard_numel, u.trains,
                                  u.frozen_values.numel() if u.frozen_values is not None else 0,
                                  u.layout.padded if u.kind == "layer" else None, u.master.dtype) for u in self.units),
@@ -367,10 +368,27 @@ class Runtime:
             else:
                 raise ValueError(f"what must be 'params' or 'grads', got {what!r}")
             flat = masters.gather_whole(self.comm, u, shard, what)
+            if u.rebuild is not None:  # 4-bit weights: as their HF state dict has them (packed, with the state)
+                if what == "params":
+                    out.update(self._packed_state(u, flat))
+                continue
             for entry, fqns in zip(u.layout.entries, u.fqns):
                 t = flat[entry.offset : entry.end].view(entry.shape).clone()
                 for fqn in fqns:
                     out[fqn] = t
+        return out
+
+    @staticmethod
+    def _packed_state(u: Unit, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A byte unit's 4-bit weights under the names of transformers' state dict of the 4-bit
+        model: each weight's packed data, and its quantisation state as bitsandbytes serialises it."""
+        out = {}
+        for entry, fqns, rebuild in zip(u.layout.entries, u.fqns, u.rebuild):
+            w = rebuild(flat[entry.offset : entry.end])
+            for fqn in fqns:
+                out[fqn] = w.detach().clone()
+                out.update({f"{fqn}.{k}": v.clone() if torch.is_tensor(v) else v
+                            for k, v in w.quant_state.as_dict(packed=True).items()})
         return out
 
     def remove_hooks(self) -> None:

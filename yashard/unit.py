@@ -127,6 +127,9 @@ class Unit:
         self.frozen_kept = False
         self.gather_src = master    # direct slots, fp32 master, 16-bit param_dtype: its cast copy (build.make_units)
         self.direct_source: torch.Tensor | None = None  # direct slots (shard world 1): gather_src's alias
+        # A byte unit (bitsandbytes 4-bit weights): per entry, what turns its bytes in the slot into
+        # the weight the module computes with (yashard.bnb4.Rebuild); None: the views are the values.
+        self.rebuild: list | None = None
         self.secondary: torch.Tensor | None = None  # hpZ: this rank's secondary slice of the gathered unit
         self.secondary_version = -1  # master._version of the weights ``secondary`` holds
         self.order = -1             # position in the runtime's units (index of its check flags)
@@ -202,6 +205,8 @@ class Unit:
                 view = Narrow.apply(token, weights, self, i)
             else:
                 view = weights.narrow(0, entry.offset, entry.numel).view(entry.shape)
+                if self.rebuild is not None:
+                    view = self.rebuild[i](view)
             views.append(view)
             for module, attr in locs:
                 module.__dict__[attr] = view

@@ -25,6 +25,7 @@ one for another subclass). The user's ``TrainingArguments`` stay as they are. Wh
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -207,7 +208,8 @@ class ShardedTrainerMixin:
             checkpointing_off(args)
         given["model"] = model
         self.shard_config = model.runtime.config
-        super().__init__(*bound.args, **bound.kwargs)
+        with _quantised_peft_checked(model):
+            super().__init__(*bound.args, **bound.kwargs)
         # (Trainer reads the label names and whether a loss comes back from the model's class: the HF one's)
         from transformers.utils import can_return_loss, find_labels
 
@@ -521,3 +523,21 @@ def sharded_trainer(cls: type) -> type:
         _TRAINER_CLASSES[cls] = type(cls.__name__, (ShardedTrainerMixin, cls), {"__module__": __name__,
                                                                                 "__doc__": cls.__doc__})
     return _TRAINER_CLASSES[cls]
+
+
+@contextlib.contextmanager
+def _quantised_peft_checked(model):
+    """transformers' Trainer refuses a quantised model that is not a ``PeftModel``
+    (``validate_quantization_for_training``). A sharded ``PeftModel`` on a 4-bit base (QLoRA) is
+    one: the check runs on the ``PeftModel`` inside."""
+    import transformers.trainer as hf_trainer
+
+    check = getattr(hf_trainer, "validate_quantization_for_training", None)
+    if check is None or not is_peft(model):
+        yield
+        return
+    hf_trainer.validate_quantization_for_training = lambda m: check(model.module if m is model else m)
+    try:
+        yield
+    finally:
+        hf_trainer.validate_quantization_for_training = check

@@ -83,8 +83,9 @@ def memory_inputs(model: nn.Module, config: ShardConfig, topo: Topology, backend
     compact = build.compact_grads(config, world, direct)
     staging = world * build.staging_chunk(grad_sizes, world, config) if compact else 0
     shared = build.shares_outer(config, direct)
+    packed = build.packed_slots(groups, slot_of)  # (4-bit layers: byte slots)
     slots = tuple(SlotSize(name, numel, 0 if direct_grads else grad_sizes[name], direct,
-                           shared and name in ("layer_even", "layer_odd", "embed", "lm_head"))
+                           shared and name in ("layer_even", "layer_odd", "embed", "lm_head"), name in packed)
                   for name, numel in sizes.items() if numel > 0)
     units = []
     for key, members in groups.items():
@@ -95,7 +96,7 @@ def memory_inputs(model: nn.Module, config: ShardConfig, topo: Topology, backend
             frozen = sum(hi - lo for lo, hi in shard_ranges_of(layout, shard_rank, [not t for t in trainable]))
         units.append(UnitSize(layout.shard_numel, any(trainable), frozen,
                               layout.padded if key.startswith("layer_") else None,
-                              build.master_dtype(config, any(trainable))))
+                              build.unit_master_dtype(config, members)))
     # What the default hook asks for on every trained unit's bucket (Reducer.plan_workspaces), kept
     # once per name at the largest request, as Reducer.workspace grows it.
     comm = _PlannedComm(world, needs_reduce_scatter_scratch(backend == "gloo", world))
@@ -151,5 +152,6 @@ def _config_for(model: nn.Module, config: ShardConfig | None) -> ShardConfig:
         if not isinstance(config, ShardConfig):
             raise TypeError(f"config must be a yashard.ShardConfig, got {type(config).__name__}")
         return config
-    low = low_precision_dtype(p.dtype for p in model.parameters() if p.is_floating_point())
+    low = low_precision_dtype(p.dtype for p in model.parameters()
+                              if p.is_floating_point() and type(p).__name__ != "Params4bit")  # (packed bytes)
     return ShardConfig() if low is None else ShardConfig(param_dtype=low)

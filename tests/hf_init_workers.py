@@ -163,7 +163,7 @@ def compiled_runs(rank, world, out, cases):
 
 def init_refusals(rank, world, out):
     """What building the model refuses, on one rank: a PeftModel with ``peft_config``,
-    ``quantization_config``, a float16 or unknown ``model_init_kwargs`` dtype, a ``chat_template_path``
+    ``quantization_config`` with a loaded model or given twice, an 8-bit one, a float16 or unknown ``model_init_kwargs`` dtype, a ``chat_template_path``
     that TRL would clone into the model. Returns the messages."""
     import pytest
     from peft import get_peft_model
@@ -183,9 +183,12 @@ def init_refusals(rank, world, out):
     refused("peft_model", get_peft_model(models.build("gemma2", num_hidden_layers=2), _lora()), _lora())
     from transformers import BitsAndBytesConfig
 
-    refused("quantization", folder, quantization_config=BitsAndBytesConfig(load_in_4bit=True))
-    refused("quantization_kwargs", folder, _lora(),
+    loaded = models.build("gemma2", num_hidden_layers=2)
+    refused("quantization", loaded, quantization_config=BitsAndBytesConfig(load_in_4bit=True))
+    refused("quantization_twice", folder, _lora(), quantization_config=BitsAndBytesConfig(load_in_4bit=True),
             model_init_kwargs={"quantization_config": BitsAndBytesConfig(load_in_4bit=True)})
+    refused("quantization_8bit", folder, _lora(),
+            model_init_kwargs={"quantization_config": BitsAndBytesConfig(load_in_8bit=True)})
     refused("float16", folder, model_init_kwargs={"dtype": "float16"})
     refused("float16_peft", folder, _lora(), model_init_kwargs={"dtype": "float16"})
     refused("bad_dtype", folder, model_init_kwargs={"dtype": "int8"})

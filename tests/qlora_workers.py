@@ -213,3 +213,31 @@ def train_with_trainer(rank: int, world: int, folder: str, out: str) -> dict:
     with torch.no_grad():
         logits = model(input_ids=data[:2]).logits.float()
     return dict(loss=result.training_loss, logits=logits, steps=result.global_step)
+
+
+def train_with_sft_trainer(rank: int, world: int, folder: str, out: str) -> dict:
+    """TRL's usual QLoRA call through yashard.hf.SFTTrainer: a folder, ``quantization_config=`` and
+    ``peft_config=``. Two steps, then save_model; the masters' dtypes and the sharded logits after."""
+    from datasets import Dataset
+    from peft import LoraConfig
+    from trl import SFTConfig
+
+    import hf_workers
+    import yashard.hf
+
+    g = torch.Generator().manual_seed(5)
+    ids = [torch.randint(3, 96, (12,), generator=g).tolist() for _ in range(8)]
+    args = SFTConfig(output_dir=out, per_device_train_batch_size=2, max_steps=2, logging_steps=1, learning_rate=LR,
+                     report_to=[], save_strategy="no", use_cpu=True, bf16=False, disable_tqdm=True, seed=3,
+                     model_init_kwargs={"dtype": "float32"})
+    trainer = yashard.hf.SFTTrainer(model=folder, args=args, train_dataset=Dataset.from_dict({"input_ids": ids}),
+                                    processing_class=hf_workers.tokenizer(), quantization_config=bnb_config("u8-dq"),
+                                    peft_config=LoraConfig(**LORA))
+    result = trainer.train()
+    trainer.save_model(out)
+    model = trainer.model
+    dtypes = sorted({str(p.dtype) for p in model.parameters() if p.requires_grad})
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=_data()[0][:2]).logits.float()
+    return dict(loss=result.training_loss, logits=logits, steps=result.global_step, dtypes=dtypes)

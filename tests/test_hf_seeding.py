@@ -73,10 +73,12 @@ def test_a_folder_with_a_bf16_model_init_dtype_computes_in_bf16_as_ddp(runs):
 def test_what_building_the_model_refuses_names_the_fix(tmp_path):
     got = run_distributed(hf_init_workers.init_refusals, 1, str(tmp_path))[0]
     assert got["peft_model"].startswith("peft_config= with a PeftModel: merge and unload its adapter"), got
-    assert got["quantization"].startswith("quantization_config= with yashard.hf: yashard shards full-precision "
-                                          "weights"), got
-    assert got["quantization_kwargs"].startswith("model_init_kwargs quantization_config with yashard.hf: yashard "
-                                                 "shards full-precision weights"), got
+    assert got["quantization"].startswith("quantization_config= with a loaded model: TRL would ignore it. Load "
+                                          "the model quantised"), got
+    assert got["quantization_twice"].startswith("quantization_config= and model_init_kwargs['quantization_config'] "
+                                                "both given"), got
+    assert got["quantization_8bit"].startswith("yashard.from_pretrained(quantization_config=...) asks for "
+                                               "bitsandbytes 8-bit (load_in_8bit)"), got
     for name in ("float16", "float16_peft"):
         assert "yashard.hf computes in fp32 or bf16; pass model_init_kwargs={'dtype': 'bfloat16'}" in got[name], got
     assert got["bad_dtype"] == "model_init_kwargs dtype='int8': pass 'float32', 'bfloat16' or 'auto'", got

@@ -248,3 +248,22 @@ def test_the_hf_trainer_trains_qlora_and_saves_the_adapter(folder, tmp_path):
     with torch.no_grad():
         logits = loaded(input_ids=_data()[0][:2]).logits.float()
     assert (logits - res["logits"]).abs().max().item() < 2e-3
+
+
+def test_sft_trainer_takes_a_folder_with_a_4bit_quantization_config_and_peft_config(folder, tmp_path):
+    """TRL's QLoRA call: the adapters keep fp32 masters (TRL's bf16 cast of a quantised model's
+    adapters does not reach them), and the saved adapter loads onto the 4-bit base with the
+    sharded model's logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from qlora_workers import _data, train_with_sft_trainer
+
+    out = str(tmp_path / "sft")
+    res = run_distributed(train_with_sft_trainer, 2, folder, out, timeout=480)[0]
+    assert res["steps"] == 2 and res["loss"] > 0 and res["dtypes"] == ["torch.float32"], res
+    base = AutoModelForCausalLM.from_pretrained(folder, quantization_config=bnb_config("u8-dq"), dtype=torch.float32)
+    loaded = PeftModel.from_pretrained(base, out).eval()
+    with torch.no_grad():
+        logits = loaded(input_ids=_data()[0][:2]).logits.float()
+    assert (logits - res["logits"]).abs().max().item() < 2e-3

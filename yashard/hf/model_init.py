@@ -38,9 +38,6 @@ def _init_kwargs(args) -> tuple[dict, object]:
     """``args.model_init_kwargs`` (a copy) without the dtype, and the dtype as TRL reads it:
     ``"float32"`` when absent, a ``torch.dtype`` or ``"auto"`` otherwise."""
     kwargs = dict(getattr(args, "model_init_kwargs", None) or {})
-    if kwargs.get("quantization_config") is not None:
-        raise ValueError("model_init_kwargs quantization_config with yashard.hf: yashard shards full-precision "
-                         "weights; leave it out, and pass a bf16 or fp32 model or folder")
     dtype = kwargs.pop("dtype", kwargs.pop("torch_dtype", None))
     dtype = "float32" if dtype is None else dtype
     if isinstance(dtype, str) and dtype != "auto":
@@ -78,6 +75,12 @@ def folder_model(path, args, config: ShardConfig, peft_config=None):
     with it, the model is loaded whole first, as on DDP, for PEFT to wrap it."""
     kwargs, dtype = _init_kwargs(args)
     transformers.set_seed(args.seed)
+    quantization = kwargs.pop("quantization_config", None)
+    if quantization is not None:  # (QLoRA: each rank loads the 4-bit base, then peft_config, then shard)
+        if dtype == "auto":
+            dtype = _folder_dtype(path)
+        return from_pretrained(path, config=computing_in(config, dtype), quantization_config=quantization,
+                               peft_config=peft_config, **kwargs)
     if peft_config is None:
         if dtype == "auto":
             dtype = _folder_dtype(path)

@@ -176,9 +176,16 @@ class ShardedTrainerMixin:
         if peft_config is not None and isinstance(model, ShardedModel):
             raise ValueError("peft_config= with a model that is sharded already: apply get_peft_model before "
                              "yashard.shard, or pass the unsharded model")
-        if given.get("quantization_config") is not None:
-            raise ValueError("quantization_config= with yashard.hf: yashard shards full-precision weights (TRL would "
-                             "ignore it for a loaded model); leave it out, and pass a bf16 or fp32 model or folder")
+        quantization = given.pop("quantization_config", None)
+        if quantization is not None:  # (TRL's: it loads a folder with it, as a model_init_kwargs entry)
+            if not isinstance(model, (str, os.PathLike)):
+                raise ValueError("quantization_config= with a loaded model: TRL would ignore it. Load the model "
+                                 "quantised (from_pretrained(..., quantization_config=...)), or pass its folder")
+            init = dict(getattr(args, "model_init_kwargs", None) or {})
+            if init.get("quantization_config") is not None:
+                raise ValueError("quantization_config= and model_init_kwargs['quantization_config'] both given: "
+                                 "set it in one place, as TRL asks")
+            args.model_init_kwargs = {**init, "quantization_config": quantization}
         if isinstance(model, (str, os.PathLike)):
             model = folder_model(model, args, _folder_config(model, args, shard_config), peft_config)
         elif model is not None and not isinstance(model, ShardedModel):
@@ -529,7 +536,8 @@ def sharded_trainer(cls: type) -> type:
 def _quantised_peft_checked(model):
     """transformers' Trainer refuses a quantised model that is not a ``PeftModel``
     (``validate_quantization_for_training``). A sharded ``PeftModel`` on a 4-bit base (QLoRA) is
-    one: the check runs on the ``PeftModel`` inside."""
+    one: the check runs on the ``PeftModel`` inside. TRL's bf16 cast of a quantised model's
+    adapters is not let at the master shards."""
     import transformers.trainer as hf_trainer
 
     check = getattr(hf_trainer, "validate_quantization_for_training", None)
@@ -537,7 +545,15 @@ def _quantised_peft_checked(model):
         yield
         return
     hf_trainer.validate_quantization_for_training = lambda m: check(model.module if m is model else m)
+    # TRL's SFTTrainer casts a quantised model's trained parameters to bf16 (param.data = ...): those
+    # would be yashard's fp32 master shards. The sharded model keeps fp32 masters (it computes in
+    # param_dtype), so it does not answer TRL as quantised while TRL's __init__ looks.
+    hidden = getattr(model, "is_loaded_in_4bit", False)
+    if hidden:
+        model.is_loaded_in_4bit = False
     try:
         yield
     finally:
         hf_trainer.validate_quantization_for_training = check
+        if hidden:
+            del model.is_loaded_in_4bit

@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .collectives import Comm
 from .config import ShardConfig, low_precision_dtype
-from .partition import base_model_of
+from .partition import base_model_of, check_peft_method
 from .patch.spec import resolve_spec
 from .runtime import Runtime
 from .sharded_model import ShardedModel
@@ -92,6 +92,7 @@ def shard(model: nn.Module, *, config: ShardConfig | None = None, process_group=
         logger.warning("yashard: %d parameter(s) are float64 (%s%s); yashard keeps fp32 master weights and computes "
                        "in %s, so they are rounded to fp32", len(wide), wide[0], ", ..." if len(wide) > 1 else "",
                        config.param_dtype)
+    check_peft_method(model)
     if mesh is not None and not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
     comm = Comm(process_group, shard_group_size=config.shard_group_size,

@@ -292,8 +292,20 @@ def _answer_peft(module: nn.Module, runtime: Runtime) -> None:
         hf = self.get_base_model()
         return hf.num_parameters(only_trainable=True), hf.num_parameters()
 
+    def set_adapter(self, adapter_name, *args, **kwargs):
+        active = getattr(self, "active_adapters", None) or [getattr(self, "active_adapter", None)]
+        wanted = [adapter_name] if isinstance(adapter_name, str) else list(adapter_name)
+        if wanted != list(active):
+            raise RuntimeError(
+                f"set_adapter({adapter_name!r}) after yashard.shard: the active adapter is {active[0]!r}, and which "
+                "adapter weights train (their gradient buffers and optimizer state) is fixed at shard(), so the "
+                f"backward of {adapter_name!r} would fail. Call set_adapter({adapter_name!r}) on the PeftModel "
+                "before yashard.shard, or shard a PeftModel holding only that adapter")
+        return cls.set_adapter(self, adapter_name, *args, **kwargs)
+
     module.__class__ = same_named_subclass(cls, _SHARDED_PEFT_CLASSES,
-                                           {"get_nb_trainable_parameters": get_nb_trainable_parameters})
+                                           {"get_nb_trainable_parameters": get_nb_trainable_parameters,
+                                            "set_adapter": set_adapter})
 
 
 def _count_parameters(module: nn.Module, units, prefix: str, only_trainable: bool, exclude_embeddings: bool) -> int:

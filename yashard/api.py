@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .call_gate import watch
 from .collectives import Comm
 from .config import ShardConfig, low_precision_dtype
 from .partition import base_model_of, check_peft_method
@@ -98,6 +99,7 @@ def shard(model: nn.Module, *, config: ShardConfig | None = None, process_group=
     comm = Comm(process_group, shard_group_size=config.shard_group_size,
                 secondary_group_size=config.secondary_group_size, timeout=config.collective_timeout, mesh=mesh)
     comm.log.track = config.debug_collectives
+    watch(comm)  # (a peer that gives up on a collective call this rank never joined ends this process)
     hf = base_model_of(model)  # a PEFT model's HF model: its modules are sharded, the PEFT model is called
     if hf is not model:
         inside = {id(p) for p in hf.parameters()}

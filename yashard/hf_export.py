@@ -51,6 +51,7 @@ from pathlib import Path
 import torch
 
 from ._io import StreamedSafetensors, exchange_dirs, fsync_dir, fsync_file
+from .call_gate import enter
 from .checkpoint import CheckpointError, agree
 from .hf_names import stored_shapes, to_stored
 from .masters import gather_whole
@@ -217,6 +218,7 @@ def export_hf(model, path: str | os.PathLike, *, dtype: torch.dtype | None = Non
     """
     rt = runtime_of(model, "export_hf")
     comm = rt.comm
+    enter(comm, "export_hf")
     dtype = torch.float32 if dtype is None else dtype
     if dtype not in _EXPORT_DTYPES:
         raise ValueError(f"export_hf dtype={dtype} is not supported; use torch.float32, torch.bfloat16 or torch.float16")

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .call_gate import enter
 from .checkpoint import CheckpointError, agree
 from .masters import gather_whole
 from .partition import base_model_of
@@ -100,6 +101,7 @@ def adapter_state_dict(model, adapter_name: str = "default", save_embedding_laye
 
     rt = runtime_of(model, "adapter_state_dict")
     peft_model, prefix = peft_model_of(model, "adapter_state_dict")
+    enter(rt.comm, "adapter_state_dict")
     if adapter_name not in peft_model.peft_config:
         raise ValueError(f"adapter {adapter_name!r} is not one of this model's: {sorted(peft_model.peft_config)}")
     # Which tensors peft keeps for this adapter, asked with placeholders (peft decides by name), so
@@ -138,6 +140,7 @@ def save_adapter(model, path: str | os.PathLike, *, selected_adapters: list[str]
 
     peft_model, _ = peft_model_of(model, "yashard.save_adapter")
     rt = model.runtime
+    enter(rt.comm, "save_adapter")
     names = list(peft_model.peft_config) if selected_adapters is None else list(selected_adapters)
     dest = Path(path)
     for name in names:

@@ -15,6 +15,7 @@ import weakref
 import torch
 from torch import nn
 
+from .call_gate import enter
 from .config import dtype_name
 from .integrity import check_no_sync
 from .memory import MemoryPlan
@@ -411,6 +412,7 @@ class ShardedModel(nn.Module):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 weights by HF name (tied names share one tensor). Collective: call on every rank."""
+        enter(self._runtime.comm, "full_state_dict")
         return self._runtime.gather_full("params")
 
     def sharded_state_dict(self) -> dict:

@@ -40,6 +40,7 @@ from ..config import dtype_name
 from ..config_compare import config_dict
 from ..layout import shard_pieces
 from ..saved_state import optimizer_units, persistent_buffers
+from ..call_gate import enter
 from ..sharded_model import runtime_of
 from ..version import __version__
 from .format import (FORMAT, INDEX, POINTER, SAVE_DIR_RE, CheckpointError, agree, buffer_key, check_extra,
@@ -308,6 +309,7 @@ def save_checkpoint(path: str | os.PathLike, model, optimizer: torch.optim.Optim
     """
     rt = runtime_of(model, "save_checkpoint")
     comm = rt.comm
+    enter(comm, "save_checkpoint")
     root = Path(path)
     err, name, opt_meta = None, None, None
     try:

@@ -131,10 +131,13 @@ def alone(rank, world, out, case: str, timeout: float):
                                      max_steps=1), train_dataset=lm_data(), shard_config=cfg)
         trainer.train()
         start = time.monotonic()
-        if trainer.is_world_process_zero():  # the DDP habit
-            trainer.save_model(os.path.join(out, "model"))
-        else:
-            dist.barrier()
+        try:
+            if trainer.is_world_process_zero():  # the DDP habit
+                trainer.save_model(os.path.join(out, "model"))
+            else:
+                dist.barrier()
+        except Exception as e:  # noqa: BLE001
+            return f"{type(e).__name__}: {e}", time.monotonic() - start
         return "no error", time.monotonic() - start
     sm = yashard.shard(models.build("qwen3", seed=0, tie_word_embeddings=True), config=cfg)
     sm.full_state_dict()  # (every rank: passes)

@@ -120,7 +120,8 @@ def _log_to(path: str) -> None:
 
 def alone(rank, world, out, case: str, timeout: float):
     """Rank 0 makes a collective call alone (``case``); rank 1 goes on (a barrier, a later call).
-    Each rank logs to ``out/rank<r>.log``; returns (the error, seconds it took) where one is raised."""
+    Each rank logs to ``out/rank<r>.log``. A call made alone raises out of the rank, as in a user's
+    script (its seconds in ``out/rank0.seconds``); ranks in different calls return (error, seconds)."""
     import yashard
     import yashard.hf
 
@@ -136,19 +137,23 @@ def alone(rank, world, out, case: str, timeout: float):
                 trainer.save_model(os.path.join(out, "model"))
             else:
                 dist.barrier()
-        except Exception as e:  # noqa: BLE001
-            return f"{type(e).__name__}: {e}", time.monotonic() - start
+        finally:
+            _seconds(out, rank, start)
         return "no error", time.monotonic() - start
     sm = yashard.shard(models.build("qwen3", seed=0, tie_word_embeddings=True), config=cfg)
     sm.full_state_dict()  # (every rank: passes)
     start = time.monotonic()
-    try:
-        if case == "export":
+    if case == "export":
+        try:
             if rank == 0:
                 yashard.export_hf(sm, os.path.join(out, "model"))
             else:
                 dist.barrier()
-        elif case == "mismatch":
+        finally:
+            _seconds(out, rank, start)
+        return "no error", time.monotonic() - start
+    try:
+        if case == "mismatch":
             if rank == 0:
                 yashard.save_checkpoint(os.path.join(out, "ckpt"), sm)
             else:
@@ -156,6 +161,11 @@ def alone(rank, world, out, case: str, timeout: float):
     except Exception as e:  # noqa: BLE001
         return f"{type(e).__name__}: {e}", time.monotonic() - start
     return "no error", time.monotonic() - start
+
+
+def _seconds(out, rank, start) -> None:
+    with open(os.path.join(out, f"rank{rank}.seconds"), "w") as f:
+        f.write(str(time.monotonic() - start))
 
 
 def gate_cost(rank, world, calls: int) -> float:

@@ -19,17 +19,16 @@ def _run(tmp_path, case, timeout=TIMEOUT):
     return got, logs
 
 
-def _check_alone(got, logs, call, timeout=TIMEOUT):
+def _check_alone(tmp_path, got, logs, call, timeout=TIMEOUT):
     code0, report0 = got[0]
     code1, report1 = got[1]
-    # rank 0: the error, raised after collective_timeout (not the 600 s default, not never)
-    ok, payload = report0
-    text = payload[0] if ok else payload
+    # rank 0: the error, raised out of the rank after collective_timeout (not the 600 s default, not never)
+    ok, text = report0
+    assert not ok and code0 == 1, got
     assert f"CollectiveError: yashard: {call} is a collective: {call} was called on rank 0 of 2, and rank(s) 1 " \
            f"did not call it within collective_timeout={timeout:g}s. Call it on every rank, not only on rank 0 (not inside " \
            "`if trainer.is_world_process_zero():`" in text, text
-    if ok:
-        assert timeout <= payload[1] < timeout + 15, payload
+    assert timeout <= float((tmp_path / "rank0.seconds").read_text()) < timeout + 15
     # rank 1: ended by its watchdog, its log naming the call
     assert code1 == 1 and report1 is None, got
     assert f"yashard: ending rank 1: {call} was called on rank 0 of 2, and rank(s) 1 did not call it" in logs[1], logs
@@ -37,13 +36,13 @@ def _check_alone(got, logs, call, timeout=TIMEOUT):
 
 def test_export_hf_on_rank_zero_alone_ends_both_ranks(tmp_path):
     got, logs = _run(tmp_path, "export")
-    _check_alone(got, logs, "export_hf")
+    _check_alone(tmp_path, got, logs, "export_hf")
     assert not (tmp_path / "model").exists()
 
 
 def test_trainer_save_model_inside_is_world_process_zero_ends_both_ranks(tmp_path):
     got, logs = _run(tmp_path, "trainer", 8.0)
-    _check_alone(got, logs, "export_hf", 8.0)
+    _check_alone(tmp_path, got, logs, "export_hf", 8.0)
 
 
 def test_ranks_in_different_calls_both_raise_naming_both(tmp_path):

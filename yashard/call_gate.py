@@ -17,14 +17,15 @@ training step never pass it.
 * Ranks arrived in different calls (rank 0 in ``export_hf``, rank 1 in ``save_checkpoint``):
   every rank raises :class:`~yashard.collectives.CollectiveError` naming both.
 * A rank waited ``collective_timeout`` and its peers did not arrive: it raises ``CollectiveError``
-  naming the call and the missing ranks, and sets the group's abort key. The process group is
-  left clean (nothing of it was issued), so this rank can exit and its peers' pending collectives
-  then fail at once ("Connection closed by peer").
+  naming the call and the missing ranks, after it set the group's abort key and waited (that
+  timeout at most) for each peer to acknowledge it. The process group is left clean (nothing of
+  it was issued), so this rank can exit, and a peer still pending in a collective then fails at
+  once ("Connection closed by peer").
 * A peer that sees the abort key, on a watchdog thread started with the first :class:`Comm` of
   its group (a blocking wait on its own store connection: no polling, no cost to collectives),
   or while it waits at a gate of its own, logs the same message and ends its process with exit
-  code 1: it may be blocked in a collective nothing would ever complete (``dist.barrier``, a
-  gather of the next step), which no Python code can interrupt.
+  code 1, after acknowledging it: it may be blocked in a collective nothing would ever complete
+  (``dist.barrier``, a gather of the next step), which no Python code can interrupt.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from .collectives import CollectiveError, group_store
 logger = logging.getLogger("yashard")
 
 ABORT_KEY = "yashard/abort"
+ACK_KEY = "yashard/abort/acks"   # how many peers ended, having logged why
 _POLL_FIRST, _POLL_MAX = 1e-4, 0.05   # seconds between polls at a gate: doubling from the first to the max
 _watched: dict[int, threading.Thread] = {}   # id(store) -> its watchdog thread
 _lock = threading.Lock()
@@ -94,7 +96,7 @@ def _watchdog(store, rank: int) -> None:
                 return
             continue
         if not message.startswith(f"rank {rank}:"):
-            _end(message, rank)
+            _end(message, rank, store)
         return
 
 
@@ -106,8 +108,10 @@ def _store_gone(store) -> bool:
         return True
 
 
-def _end(message: str, rank: int) -> None:
-    """End this process: a peer gave up on a collective call this rank never joined."""
+def _end(message: str, rank: int, store) -> None:
+    """End this process: a peer gave up on a collective call this rank never joined. The peer
+    waits for this rank's acknowledgement (``collective_timeout`` at most) before it goes on: it
+    may host the store, and its exit would cut this rank off before it said why it ends."""
     text = (f"yashard: ending rank {rank}: {message.split(':', 1)[1].strip()} This rank did not join that call "
             "and would wait forever in its next collective.")
     if logger.hasHandlers():
@@ -116,7 +120,10 @@ def _end(message: str, rank: int) -> None:
         print(text, file=sys.stderr, flush=True)
     for h in logging.getLogger().handlers + logger.handlers:
         h.flush()
-    os._exit(1)
+    try:
+        store.add(ACK_KEY, 1)
+    finally:
+        os._exit(1)
 
 
 def enter(comm, call: str) -> None:
@@ -138,7 +145,7 @@ def enter(comm, call: str) -> None:
         if store.check([ABORT_KEY]):
             message = store.get(ABORT_KEY).decode()
             if not message.startswith(f"rank {comm.rank}:"):
-                _end(message, comm.rank)
+                _end(message, comm.rank, store)
         if deadline is not None and time.monotonic() > deadline:
             _give_up(comm, store, key, call, timeout)
         time.sleep(pause)
@@ -163,6 +170,9 @@ def _give_up(comm, store, key: str, call: str, timeout: float) -> None:
     message = (f"rank {comm.rank}: {call} was called on rank {comm.rank} of {comm.world}, and rank(s) {shown} did not "
                f"call it within collective_timeout={timeout:g}s.")
     store.set(ABORT_KEY, message)   # (the peers' watchdogs end them: they may be blocked in a collective)
+    deadline = time.monotonic() + timeout
+    while store.add(ACK_KEY, 0) < comm.world - 1 and time.monotonic() < deadline:
+        time.sleep(_POLL_MAX)
     raise CollectiveError(
         f"yashard: {call} is a collective: {message.split(':', 1)[1].strip()} Call it on every rank, not only on "
         f"rank 0 (not inside `if trainer.is_world_process_zero():` or `if rank == 0:`): rank 0 writes the files. "

@@ -68,15 +68,22 @@ def test_vera_and_adalora_are_refused_at_shard(pg):
         yashard.shard(ada)
 
 
-def test_set_adapter_after_shard_is_refused_naming_the_fix(pg):
+def test_set_adapter_after_shard_is_refused_at_a_forward_with_gradients(pg):
     from peft import LoraConfig
 
     pm = peft_model("qwen3")
     pm.add_adapter("other", LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     sm = yashard.shard(pm)
-    sm.module.set_adapter("default")  # (the active one: nothing changes)
-    with pytest.raises(RuntimeError, match=r"set_adapter\('other'\) after yashard\.shard: the active adapter is "
-                       r"'default', .* Call set_adapter\('other'\) on the PeftModel before yashard\.shard"):
-        sm.module.set_adapter("other")
     ids = IDS[:, :6]
-    sm(input_ids=ids, labels=ids).loss.backward()  # the active adapter still trains
+    sm.module.set_adapter("other")
+    with torch.no_grad():  # a reference forward of another adapter runs (TRL's use_adapter)
+        other = sm(input_ids=ids).logits
+    with pytest.raises(RuntimeError, match=r"a forward of adapter 'other' with gradients on, after "
+                       r"set_adapter\('other'\) following yashard\.shard: the adapter that trains is 'default', .* "
+                       r"call set_adapter\('other'\) on the PeftModel before yashard\.shard; to run it without "
+                       r"training \(a reference forward\), run it under torch\.no_grad\(\)"):
+        sm(input_ids=ids, labels=ids)
+    sm.module.set_adapter("default")
+    out = sm(input_ids=ids, labels=ids)
+    out.loss.backward()  # the trained adapter still trains
+    assert not torch.equal(out.logits.detach(), other)

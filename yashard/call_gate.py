@@ -70,10 +70,12 @@ def _gate(comm) -> _Gate | None:
 
 
 def watch(comm) -> None:
-    """Start the watchdog of ``comm``'s group on this process (once per store)."""
+    """Name ``comm``'s gate (at ``shard()``, in the order every rank creates its Comms) and start the
+    watchdog of its group on this process (once per store)."""
     store = group_store(comm.group)
     if store is None or comm.world == 1:
         return
+    _gate(comm)
     with _lock:
         if id(store) in _watched and _watched[id(store)].is_alive():
             return

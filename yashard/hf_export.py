@@ -212,9 +212,12 @@ def export_hf(model, path: str | os.PathLike, *, dtype: torch.dtype | None = Non
     A frozen unit's master kept in a 16-bit ``param_dtype`` is written as those values (widened to
     fp32, then cast to ``dtype``). A PEFT LoRA model is written as the plain HF model, its active
     adapters merged into the base weights (``W + B @ A * scaling``, as peft's ``merge_and_unload``),
-    in fp32 over the base weights as held, then cast once to ``dtype``. PEFT layers it cannot merge
-    (DoRA, LoRA on embeddings, ``modules_to_save``) are refused: save those with
-    :func:`yashard.save_adapter`.
+    in fp32 over the base weights as held, then cast once to ``dtype``. LoRA on an ``lm_head`` tied
+    to the embedding is merged into the ``lm_head`` alone, and a ``modules_to_save`` copy is written
+    as the trained module under its plain name: the folder is then untied
+    (``tie_word_embeddings=False``), as the trained model computes. PEFT layers it cannot merge
+    (DoRA, LoRA on embeddings) are refused: save those with :func:`yashard.save_adapter`. So are
+    PEFT names left in the sharded weights by ``unload()`` after ``shard()``.
     """
     rt = runtime_of(model, "export_hf")
     comm = rt.comm

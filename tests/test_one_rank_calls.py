@@ -4,8 +4,6 @@ within ``collective_timeout``, and its peer ends too (exit code 1, its log namin
 is left hanging. Ranks in different calls both raise, naming both. 2 gloo ranks, collective_timeout
 2 s (8 s where the ranks train first: a loaded machine must not time out the training steps)."""
 
-import pytest
-
 from harness import run_until_exit
 from peft_trial_workers import alone
 
@@ -25,9 +23,10 @@ def _check_alone(tmp_path, got, logs, call, timeout=TIMEOUT):
     # rank 0: the error, raised out of the rank after collective_timeout (not the 600 s default, not never)
     ok, text = report0
     assert not ok and code0 == 1, got
-    assert f"CollectiveError: yashard: {call} is a collective: {call} was called on rank 0 of 2, and rank(s) 1 " \
-           f"did not call it within collective_timeout={timeout:g}s. Call it on every rank, not only on rank 0 (not inside " \
-           "`if trainer.is_world_process_zero():`" in text, text
+    want = (f"CollectiveError: yashard: {call} is a collective: {call} was called on rank 0 of 2, and rank(s) 1 "
+            f"did not call it within collective_timeout={timeout:g}s. Call it on every rank, not only on rank 0 "
+            "(not inside `if trainer.is_world_process_zero():`")
+    assert want in text, text
     assert timeout <= float((tmp_path / "rank0.seconds").read_text()) < timeout + 15
     # rank 1: ended by its watchdog, its log naming the call
     assert code1 == 1 and report1 is None, got

@@ -8,8 +8,9 @@ there forever: gloo's barrier has no bound yashard sets, and a timed-out gather 
 process group's sequence broken for every later collective.
 
 So each such call first passes a gate on the group's key-value store (:func:`enter`), before any
-collective of the process group is issued: every rank adds itself to the call's counter and waits,
-polling the store, until every rank of the group arrived (``collective_timeout`` at most). The
+collective of the process group is issued: every rank adds itself to the call's counter and waits
+(a blocking store wait, woken by the last rank to arrive) until every rank of the group arrived
+(``collective_timeout`` at most). The
 gate costs a few store round trips per call, once per export or save; the collectives of the
 training step never pass it.
 
@@ -22,8 +23,8 @@ training step never pass it.
   it was issued), so this rank can exit, and a peer still pending in a collective then fails at
   once ("Connection closed by peer").
 * A peer that sees the abort key, on a watchdog thread started with the first :class:`Comm` of
-  its group (a blocking wait on its own store connection: no polling, no cost to collectives),
-  or while it waits at a gate of its own, logs the same message and ends its process with exit
+  its group (a look at the store every 0.5 s, on its own connection: a small round trip),
+  wherever its main thread waits, logs the same message and ends its process with exit
   code 1, after acknowledging it: it may be blocked in a collective nothing would ever complete
   (``dist.barrier``, a gather of the next step), which no Python code can interrupt.
 """
@@ -43,7 +44,8 @@ logger = logging.getLogger("yashard")
 
 ABORT_KEY = "yashard/abort"
 ACK_KEY = "yashard/abort/acks"   # how many peers ended, having logged why
-_POLL_FIRST, _POLL_MAX = 1e-4, 0.05   # seconds between polls at a gate: doubling from the first to the max
+_POLL = 0.005                         # seconds between looks at the peers' acknowledgements
+_WATCH_EVERY = 0.5                    # seconds between the watchdog's looks at the abort key
 _watched: dict[int, threading.Thread] = {}   # id(store) -> its watchdog thread
 _lock = threading.Lock()
 
@@ -89,25 +91,20 @@ def watch(comm) -> None:
 
 
 def _watchdog(store, rank: int) -> None:
+    """Look for the abort key every ``_WATCH_EVERY`` seconds, on this thread's own store connection
+    (a check is one small round trip; a blocking wait instead would be cut off in C++ at
+    interpreter exit, which aborts the process)."""
     while True:
+        time.sleep(_WATCH_EVERY)
         try:
-            store.wait([ABORT_KEY], datetime.timedelta(days=1))
+            if not store.check([ABORT_KEY]):
+                continue
             message = store.get(ABORT_KEY).decode()
-        except Exception:  # noqa: BLE001 - the store went away (the job ended) or timed out
-            if _store_gone(store):
-                return
-            continue
+        except Exception:  # noqa: BLE001 - the store went away: the job ended
+            return
         if not message.startswith(f"rank {rank}:"):
             _end(message, rank, store)
         return
-
-
-def _store_gone(store) -> bool:
-    try:
-        store.check([ABORT_KEY])
-        return False
-    except Exception:  # noqa: BLE001
-        return True
 
 
 def _end(message: str, rank: int, store) -> None:
@@ -139,20 +136,19 @@ def enter(comm, call: str) -> None:
     gate.seq += 1
     key = f"{gate.prefix}/{n}"
     store.set(f"{key}/r{comm.rank}", call)
-    arrived = store.add(f"{key}/count", 1)
-    timeout = comm.timeout
-    deadline = None if timeout is None else time.monotonic() + timeout
-    pause = _POLL_FIRST
-    while arrived < comm.world:
-        if store.check([ABORT_KEY]):
-            message = store.get(ABORT_KEY).decode()
-            if not message.startswith(f"rank {comm.rank}:"):
-                _end(message, comm.rank, store)
-        if deadline is not None and time.monotonic() > deadline:
-            _give_up(comm, store, key, call, timeout)
-        time.sleep(pause)
-        pause = min(2 * pause, _POLL_MAX)
-        arrived = store.add(f"{key}/count", 0)
+    if store.add(f"{key}/count", 1) == comm.world:   # the last to arrive lets the others through
+        store.set(f"{key}/all", "1")
+    else:
+        timeout = comm.timeout
+        while True:   # (an event-driven wait: it returns when the key is set, no polling)
+            try:
+                store.wait([f"{key}/all"], datetime.timedelta(seconds=timeout if timeout is not None else 300))
+                break
+            except Exception:  # noqa: BLE001 - DistStoreError: the wait timed out
+                if store.check([f"{key}/all"]):
+                    break
+                if timeout is not None:
+                    _give_up(comm, store, key, call, timeout)
     calls = [store.get(f"{key}/r{r}").decode() for r in range(comm.world)]
     if len(set(calls)) > 1:
         shown = ", ".join(f"rank {r}: {c}" for r, c in enumerate(calls))
@@ -162,7 +158,7 @@ def enter(comm, call: str) -> None:
             "save_adapter are collectives)")
     if comm.rank == 0 and n > 0:   # every rank passed the previous gate: its keys are done with
         try:
-            for name in ["count"] + [f"r{r}" for r in range(comm.world)]:
+            for name in ["count", "all"] + [f"r{r}" for r in range(comm.world)]:
                 store.delete_key(f"{gate.prefix}/{n - 1}/{name}")
         except (RuntimeError, NotImplementedError):  # (a store that cannot delete keeps them: a few bytes a call)
             pass
@@ -176,7 +172,7 @@ def _give_up(comm, store, key: str, call: str, timeout: float) -> None:
     store.set(ABORT_KEY, message)   # (the peers' watchdogs end them: they may be blocked in a collective)
     deadline = time.monotonic() + timeout
     while store.add(ACK_KEY, 0) < comm.world - 1 and time.monotonic() < deadline:
-        time.sleep(_POLL_MAX)
+        time.sleep(_POLL)
     raise CollectiveError(
         f"yashard: {call} is a collective: {message.split(':', 1)[1].strip()} Call it on every rank, not only on "
         f"rank 0 (not inside `if trainer.is_world_process_zero():` or `if rank == 0:`): rank 0 writes the files. "

@@ -9,9 +9,10 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .call_gate import watch
 from .collectives import Comm
 from .config import ShardConfig, low_precision_dtype
-from .partition import base_model_of
+from .partition import base_model_of, check_peft_method
 from .patch.spec import resolve_spec
 from .runtime import Runtime
 from .sharded_model import ShardedModel
@@ -93,11 +94,13 @@ def shard(model: nn.Module, *, config: ShardConfig | None = None, process_group=
         logger.warning("yashard: %d parameter(s) are float64 (%s%s); yashard keeps fp32 master weights and computes "
                        "in %s, so they are rounded to fp32", len(wide), wide[0], ", ..." if len(wide) > 1 else "",
                        config.param_dtype)
+    check_peft_method(model)
     if mesh is not None and not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
     comm = Comm(process_group, shard_group_size=config.shard_group_size,
                 secondary_group_size=config.secondary_group_size, timeout=config.collective_timeout, mesh=mesh)
     comm.log.track = config.debug_collectives
+    watch(comm)  # (a peer that gives up on a collective call this rank never joined ends this process)
     hf = base_model_of(model)  # a PEFT model's HF model: its modules are sharded, the PEFT model is called
     if hf is not model:
         inside = {id(p) for p in hf.parameters()}

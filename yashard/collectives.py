@@ -56,6 +56,15 @@ def group_backend(group) -> str:
     return str(dist.get_backend_config(group)) if backend == "undefined" else backend
 
 
+def group_store(group):
+    """The key-value store ``group`` was created with (its keys prefixed for that group), or None."""
+    get = getattr(dist.distributed_c10d, "_get_process_group_store", None)
+    try:
+        return get(group) if get is not None else None
+    except (RuntimeError, ValueError, KeyError):
+        return None
+
+
 def needs_reduce_scatter_scratch(gloo: bool, size: int) -> bool:
     """Whether a reduce-scatter over ``size`` ranks wants a receive buffer: on gloo over more than two
     ranks it runs as an all-to-all into one, then a local sum (:meth:`Comm.reduce_scatter`)."""

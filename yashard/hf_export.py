@@ -51,10 +51,11 @@ from pathlib import Path
 import torch
 
 from ._io import StreamedSafetensors, exchange_dirs, fsync_dir, fsync_file
+from .call_gate import enter
 from .checkpoint import CheckpointError, agree
 from .hf_names import stored_shapes, to_stored
 from .masters import gather_whole
-from .peft_adapter import check_plain_names, gather_units, lora_merge_plan
+from .peft_adapter import check_no_peft_names, check_plain_names, gather_units, lora_merge_plan, plain_name
 from .saved_state import persistent_buffers
 from .sharded_model import runtime_of
 
@@ -211,9 +212,12 @@ def export_hf(model, path: str | os.PathLike, *, dtype: torch.dtype | None = Non
     A frozen unit's master kept in a 16-bit ``param_dtype`` is written as those values (widened to
     fp32, then cast to ``dtype``). A PEFT LoRA model is written as the plain HF model, its active
     adapters merged into the base weights (``W + B @ A * scaling``, as peft's ``merge_and_unload``),
-    in fp32 over the base weights as held, then cast once to ``dtype``. PEFT layers it cannot merge
-    (DoRA, LoRA on embeddings, ``modules_to_save``) are refused: save those with
-    :func:`yashard.save_adapter`.
+    in fp32 over the base weights as held, then cast once to ``dtype``. LoRA on an ``lm_head`` tied
+    to the embedding is merged into the ``lm_head`` alone, and a ``modules_to_save`` copy is written
+    as the trained module under its plain name: the folder is then untied
+    (``tie_word_embeddings=False``), as the trained model computes. PEFT layers it cannot merge
+    (DoRA, LoRA on embeddings) are refused: save those with :func:`yashard.save_adapter`. So are
+    PEFT names left in the sharded weights by ``unload()`` after ``shard()``.
     """
     rt = runtime_of(model, "export_hf")
     if any(u.rebuild is not None for u in rt.units):
@@ -222,6 +226,7 @@ def export_hf(model, path: str | os.PathLike, *, dtype: torch.dtype | None = Non
             "folder of float weights cannot hold and which a merge of the adapters would round again. Save the "
             "adapters with yashard.save_adapter and load them onto the 4-bit base with PeftModel.from_pretrained")
     comm = rt.comm
+    enter(comm, "export_hf")
     dtype = torch.float32 if dtype is None else dtype
     if dtype not in _EXPORT_DTYPES:
         raise ValueError(f"export_hf dtype={dtype} is not supported; use torch.float32, torch.bfloat16 or torch.float16")
@@ -241,12 +246,27 @@ def export_hf(model, path: str | os.PathLike, *, dtype: torch.dtype | None = Non
     kept = [[(lora.stored_name(nm) if lora else nm, e) for nm, e in zip(stored_names(u.fqns, emb), u.layout.entries)]
             for u in units]
     kept = [[(nm, e) for nm, e in unit_kept if nm is not None] for unit_kept in kept]
+    untie = False
+    if lora is not None:
+        # A tied weight one of whose names has an adapter merged in is stored under both names (the
+        # embedding as held, the output embedding merged), as is a tied output embedding replaced by
+        # a trained modules_to_save copy: the two differ, so the folder is untied (config below)
+        for u, unit_kept in zip(units, kept):
+            for e, fqns in zip(u.layout.entries, u.fqns):
+                extra = {lora.stored_name(f) for f in fqns} & set(lora.merges)
+                extra -= {nm for nm, _ in unit_kept}
+                unit_kept.extend((nm, e) for nm in sorted(extra))
+        chosen = set(stored_names([f for u in units for f in u.fqns], emb))
+        tied_away = {plain_name(f) for u in units for fqns in u.fqns if len(fqns) > 1 for f in fqns} - chosen
+        untie = any(nm in tied_away for unit_kept in kept for nm, _ in unit_kept)
     # (stored name, shape) of every tensor in unit order, as checkpoints of the model store them (a
     # MoE layer's fused experts split per expert: hf_names), then the persistent buffers, and the
     # file each goes to
     held = [[(nm, e.shape) for nm, e in unit_kept] for unit_kept in kept]
     if lora is not None:
         check_plain_names(nm for unit_held in held for nm, _ in unit_held)
+    else:  # (always: unload() after shard() leaves PEFT names in the units and none in the modules)
+        check_no_peft_names(nm for unit_held in held for nm, _ in unit_held)
     per_unit = [stored_shapes(hf, h) for h in held]
     tensors = [t for unit in per_unit for t in unit]
     buffers = list(to_stored(hf, dict(persistent_buffers(hf))).items())
@@ -335,6 +355,9 @@ def export_hf(model, path: str | os.PathLike, *, dtype: torch.dtype | None = Non
             cfg = copy.deepcopy(hf.config)
             cfg.dtype = dtype
             cfg.architectures = [type(hf).__name__]
+            if untie:  # the output embedding differs from the input one: the merge cannot keep them tied
+                for c in {id(cfg): cfg, id(cfg.get_text_config()): cfg.get_text_config()}.values():
+                    c.tie_word_embeddings = False
             cfg.save_pretrained(tmp)
             gen = getattr(hf, "generation_config", None)
             if gen is not None:

@@ -105,12 +105,40 @@ def adapter_weights(model: nn.Module) -> set[int]:
     return out
 
 
+# PEFT methods whose tuner reads or calls what shard() replaces: (peft_type, why, fix)
+_UNSUPPORTED_PEFT = {
+    "ADALORA": ("AdaLoraModel.forward calls the HF model's forward itself, and its rank allocator "
+                "(update_and_allocate) reads each adapter parameter's .grad, which yashard keeps in flat shards",
+                "train with LoraConfig (LoRA or DoRA: use_dora=True) instead, or train AdaLoRA unsharded"),
+    "VERA": ("VeRA's shared random projections (vera_A, vera_B) are buffers outside the adapter weights, and "
+             "saving the adapter needs them (save_projection)",
+             "train with LoraConfig (LoRA or DoRA: use_dora=True) instead, or train VeRA unsharded"),
+}
+
+
+def check_peft_method(model: nn.Module) -> None:
+    """Refuse, before anything is changed, a PEFT model whose method yashard cannot shard
+    correctly (:data:`_UNSUPPORTED_PEFT`). Reads ``model.peft_config`` only: peft is not imported."""
+    configs = getattr(model, "peft_config", None)
+    if not isinstance(configs, dict) or not type(model).__module__.startswith("peft."):
+        return
+    for name, cfg in configs.items():
+        kind = str(getattr(getattr(cfg, "peft_type", None), "value", getattr(cfg, "peft_type", "")))
+        if kind in _UNSUPPORTED_PEFT:
+            why, fix = _UNSUPPORTED_PEFT[kind]
+            raise NotImplementedError(
+                f"yashard.shard does not support the PEFT method {kind} (adapter {name!r}): {why}. Fix: {fix}")
+
+
 def partition(model: nn.Module, spec: ModelSpec) -> dict[str, list]:
     """Assign every parameter to exactly one unit; returns ``{unit_key: [(param, locs, fqns)]}``.
 
-    The trainable adapter weights of PEFT tuner layers with two or more dimensions form the unit
+    The adapter weights of PEFT tuner layers with two or more dimensions form the unit
     ``"adapters"``, gathered and reduced like the norm group: the decoder layers then hold only
-    frozen weights, with no gradient buffer, reduction or optimizer state."""
+    frozen weights, with no gradient buffer, reduction or optimizer state. The weights of an
+    adapter that does not train (a second, inactive one) join that unit as its frozen entries, so
+    their master stays fp32 under a 16-bit ``param_dtype`` (``save_adapter`` writes them as peft
+    does)."""
     layers = get_path(model, spec.layers)
     owners: list[tuple[str, nn.Module]] = [("embed", get_path(model, spec.embed))]
     owners += [(f"layer_{i}", layer) for i, layer in enumerate(layers)]
@@ -147,7 +175,7 @@ def partition(model: nn.Module, spec: ModelSpec) -> dict[str, list]:
         if is_small_param(p):
             groups["small"].append((p, locs, fqns))
             continue
-        if p.requires_grad and id(p) in adapters:
+        if id(p) in adapters:  # (an inactive adapter too: fp32 like the trained one, as peft saves it)
             groups["adapters"].append((p, locs, fqns))
             continue
         keys = {owner_of_module.get(id(m)) for m, _ in locs}

@@ -13,6 +13,7 @@ model's: each base layer's weight under its HF name (``q_proj.weight``, not
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .call_gate import enter
 from .checkpoint import CheckpointError, agree
 from .masters import gather_whole
 from .partition import base_model_of
@@ -61,6 +63,36 @@ def gather_units(rt, units) -> dict[str, torch.Tensor]:
     return out
 
 
+def _is_modules_to_save(module: nn.Module) -> bool:
+    """peft's ``ModulesToSaveWrapper`` (read by its attributes: peft is not imported here)."""
+    return hasattr(module, "original_module") and hasattr(module, "modules_to_save")
+
+
+@contextlib.contextmanager
+def _modules_to_save_by_name(peft_model: nn.Module):
+    """peft picks a ``modules_to_save`` copy's tensors through ``module.state_dict()``, which the
+    sharded modules refuse (they hold no parameter since shard()). Within this context each
+    wrapper picks them from the state dict peft passes it by name instead: every
+    ``modules_to_save.<adapter>.<name>`` key, stored as ``<name>`` (what peft 0.22 saves)."""
+    wrappers = [m for m in peft_model.modules() if _is_modules_to_save(m)]
+
+    def picker(module):
+        def adapter_state_dict(adapter_name, state_dict):
+            if adapter_name not in getattr(module, "_adapters", module.modules_to_save):
+                return {}
+            head = f"modules_to_save.{adapter_name}."
+            return {k.removeprefix(head): v for k, v in state_dict.items() if k.startswith(head)}
+        return adapter_state_dict
+
+    for m in wrappers:
+        m.__dict__["adapter_state_dict"] = picker(m)
+    try:
+        yield
+    finally:
+        for m in wrappers:
+            m.__dict__.pop("adapter_state_dict", None)
+
+
 def adapter_state_dict(model, adapter_name: str = "default", save_embedding_layers="auto") -> dict[str, torch.Tensor]:
     """The adapter ``adapter_name`` as ``PeftModel.save_pretrained`` stores it: peft's key names
     (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``), full fp32 tensors.
@@ -69,6 +101,7 @@ def adapter_state_dict(model, adapter_name: str = "default", save_embedding_laye
 
     rt = runtime_of(model, "adapter_state_dict")
     peft_model, prefix = peft_model_of(model, "adapter_state_dict")
+    enter(rt.comm, "adapter_state_dict")
     if adapter_name not in peft_model.peft_config:
         raise ValueError(f"adapter {adapter_name!r} is not one of this model's: {sorted(peft_model.peft_config)}")
     # Which tensors peft keeps for this adapter, asked with placeholders (peft decides by name), so
@@ -76,8 +109,9 @@ def adapter_state_dict(model, adapter_name: str = "default", save_embedding_laye
     placeholders = {prefix + fqn: torch.empty(e.shape, device="meta")
                     for u in rt.units for e, fqns in zip(u.layout.entries, u.fqns) for fqn in fqns}
     placeholders.update({prefix + n: b for n, b in persistent_buffers(rt.model)})
-    picked = get_peft_model_state_dict(peft_model, state_dict=placeholders, adapter_name=adapter_name,
-                                       save_embedding_layers=save_embedding_layers)
+    with _modules_to_save_by_name(peft_model):
+        picked = get_peft_model_state_dict(peft_model, state_dict=placeholders, adapter_name=adapter_name,
+                                           save_embedding_layers=save_embedding_layers)
     source = {id(t): k for k, t in placeholders.items()}
     wanted = {source[id(t)] for t in picked.values() if id(t) in source}
     if all(id(t) in source for t in picked.values()):
@@ -86,8 +120,9 @@ def adapter_state_dict(model, adapter_name: str = "default", save_embedding_laye
         units = list(rt.units)
     full = {prefix + k: v for k, v in gather_units(rt, units).items()}
     state = {k: full.get(k, t) for k, t in placeholders.items()}
-    out = get_peft_model_state_dict(peft_model, state_dict=state, adapter_name=adapter_name,
-                                    save_embedding_layers=save_embedding_layers)
+    with _modules_to_save_by_name(peft_model):
+        out = get_peft_model_state_dict(peft_model, state_dict=state, adapter_name=adapter_name,
+                                        save_embedding_layers=save_embedding_layers)
     meta = [k for k, t in out.items() if t.is_meta]
     if meta:  # pragma: no cover - peft read a unit this function did not gather
         raise RuntimeError(f"adapter_state_dict: {meta[0]} was not gathered")
@@ -105,6 +140,7 @@ def save_adapter(model, path: str | os.PathLike, *, selected_adapters: list[str]
 
     peft_model, _ = peft_model_of(model, "yashard.save_adapter")
     rt = model.runtime
+    enter(rt.comm, "save_adapter")
     names = list(peft_model.peft_config) if selected_adapters is None else list(selected_adapters)
     dest = Path(path)
     for name in names:
@@ -176,8 +212,10 @@ def lora_merge_plan(hf: nn.Module, names: list[str]) -> LoraMerge | None:
     found = False
     for mod_name, module in hf.named_modules():
         prefix = f"{mod_name}." if mod_name else ""
-        if hasattr(module, "original_module") and hasattr(module, "modules_to_save"):
-            _refuse_merge(mod_name, "is a modules_to_save copy")
+        if _is_modules_to_save(module):
+            found = True
+            _plan_modules_to_save(plan, module, prefix, names)
+            continue
         kinds = getattr(type(module), "adapter_layer_names", None)
         if not isinstance(kinds, tuple):
             continue
@@ -208,6 +246,32 @@ def lora_merge_plan(hf: nn.Module, names: list[str]) -> LoraMerge | None:
     return plan
 
 
+def _plan_modules_to_save(plan: LoraMerge, module: nn.Module, prefix: str, names: list[str]) -> None:
+    """A ``modules_to_save`` wrapper is written as the module its forward calls: the active
+    adapter's trained copy under the plain name (``lm_head.weight``), or the original module
+    while the adapters are disabled or none of its copies is active; the other copies are not
+    stored."""
+    active = list(getattr(module, "active_adapters", []) or [])
+    use = None if getattr(module, "disable_adapters", False) or not active or active[0] not in module.modules_to_save \
+        else f"modules_to_save.{active[0]}."
+    for name in names:
+        if not name.startswith(prefix):
+            continue
+        rest = name.removeprefix(prefix)
+        if use is None and rest.startswith("original_module."):
+            plan.renamed[name] = prefix + rest.removeprefix("original_module.")
+        elif use is not None and rest.startswith(use):
+            plan.renamed[name] = prefix + rest.removeprefix(use)
+        elif rest.startswith(("original_module.", "modules_to_save.")):
+            plan.renamed[name] = None
+
+
+def plain_name(name: str) -> str:
+    """The plain HF name a PEFT wrapper's weight stands for (``lm_head.base_layer.weight``,
+    ``lm_head.original_module.weight`` -> ``lm_head.weight``)."""
+    return name.replace(".base_layer.", ".").replace(".original_module.", ".")
+
+
 def check_plain_names(names) -> None:
     """Refuse to write a PEFT name into an HF folder: ``from_pretrained`` would not load it and
     would initialise the weight it stands for at random, without an error."""
@@ -216,4 +280,20 @@ def check_plain_names(names) -> None:
             raise CheckpointError(
                 f"export_hf would store {name}, a PEFT name that AutoModelForCausalLM.from_pretrained does not load "
                 "(it would initialise that weight at random). Save the adapter with yashard.save_adapter(model, path)"
+            )
+
+
+def check_no_peft_names(names) -> None:
+    """Refuse a model whose module tree has no PEFT layer while its sharded weights still carry
+    PEFT names: ``unload()`` or ``merge_and_unload()`` ran after ``shard()`` and swapped modules
+    the sharded weights do not follow (the folder would hold ``base_layer`` and ``lora_`` names,
+    which ``from_pretrained`` skips, initialising those weights at random)."""
+    for name in names:
+        if any(m in f".{name}" for m in _PEFT_MARKERS):
+            raise CheckpointError(
+                f"export_hf: the sharded weights hold the PEFT name {name}, but the model's modules hold no PEFT "
+                "layer: unload() or merge_and_unload() was called after yashard.shard, which swaps modules and leaves "
+                "the sharded weights as they were. Do not unload a sharded PEFT model: yashard.export_hf(model, path) "
+                "of the PeftModel itself writes the plain model with the active adapters merged (as merge_and_unload); "
+                "to export without the adapters, call it inside `with model.module.disable_adapter():`"
             )

@@ -15,6 +15,7 @@ import weakref
 import torch
 from torch import nn
 
+from .call_gate import enter
 from .config import dtype_name
 from .integrity import check_no_sync
 from .memory import MemoryPlan
@@ -277,6 +278,29 @@ def _answer_inner(module: nn.Module, prefix: str, runtime: Runtime, outer: dict)
     module.__dict__["_yashard_prefix"] = prefix + "."
 
 
+def _active_adapters(peft_model: nn.Module) -> list[str] | None:
+    active = getattr(peft_model, "active_adapters", None)
+    if active is None or not hasattr(peft_model, "peft_config"):
+        return None
+    return [active] if isinstance(active, str) else list(active)
+
+
+def _check_active_adapters(peft_model: nn.Module, trained: list[str]) -> None:
+    """A forward with gradients on must run the adapters that train, fixed at ``shard()``; one of
+    another adapter (``set_adapter`` after ``shard()``) would fail in its backward, in torch's
+    words ("does not require grad"). Under ``torch.no_grad()`` any adapter runs (TRL's reference
+    forwards with a "ref" adapter: ``trl.trainer.utils.use_adapter``)."""
+    active = _active_adapters(peft_model)
+    if not active or active == trained:
+        return
+    raise RuntimeError(
+        f"a forward of adapter {active[0]!r} with gradients on, after set_adapter({active[0]!r}) following "
+        f"yashard.shard: the adapter that trains is {trained[0]!r}, fixed at shard() (its gradient buffers and "
+        f"optimizer state), so the backward of {active[0]!r} would fail. To train {active[0]!r}, call "
+        f"set_adapter({active[0]!r}) on the PeftModel before yashard.shard; to run it without training "
+        "(a reference forward), run it under torch.no_grad(), or set_adapter back first")
+
+
 _SHARDED_PEFT_CLASSES: dict[type, type] = {}
 
 
@@ -337,6 +361,9 @@ class ShardedModel(nn.Module):
         # param_groups() does
         self.shards = nn.ParameterDict({name.removeprefix("shards."): master for name, master in _shard_names(runtime.units)})
         object.__setattr__(self, "_runtime", runtime)
+        # a PEFT model's active adapters at shard(): the ones whose weights train (None: not PEFT)
+        trained = _active_adapters(module) if module is not runtime.model else None
+        object.__setattr__(self, "_trained_adapters", trained)
         _answer_device_and_dtype(runtime.model, runtime)  # (the HF model: a PEFT model's base model)
         _answer_peft(module, runtime)
         # module too (HF's save_pretrained reads its state_dict), and every submodule that lost a
@@ -349,6 +376,8 @@ class ShardedModel(nn.Module):
             m.register_load_state_dict_pre_hook(_refuse_load_state_dict)
 
     def forward(self, *args, **kwargs):
+        if self._trained_adapters is not None and torch.is_grad_enabled():
+            _check_active_adapters(self.module, self._trained_adapters)
         return self.module(*args, **kwargs)
 
     def requires_grad_(self, requires_grad: bool = True):
@@ -423,6 +452,7 @@ class ShardedModel(nn.Module):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 weights by HF name (tied names share one tensor). Collective: call on every rank."""
+        enter(self._runtime.comm, "full_state_dict")
         return self._runtime.gather_full("params")
 
     def sharded_state_dict(self) -> dict:

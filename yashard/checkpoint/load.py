@@ -17,6 +17,7 @@ from .._io import ST_DTYPES, sniff_foreign_format
 from ..config_compare import config_diff, config_dict
 from ..safetensors_io import read_flat_range
 from ..saved_state import persistent_buffers
+from ..call_gate import enter
 from ..sharded_model import runtime_of
 from ..step_in_backward import inner_optimizer
 from .format import (INDEX, POINTER, SAVE_DIR_RE, CheckpointError, agree, decode_value, describe_params,
@@ -261,6 +262,7 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer: torch.optim.Optim
     rt = runtime_of(model, "load_checkpoint")
     optimizer = inner_optimizer(optimizer)  # (step_in_backward: the plain optimizer inside, its state)
     comm = rt.comm
+    enter(comm, "load_checkpoint")
     save_dir, index, via_pointer = _agreed_save(comm, path)
     with contextlib.ExitStack() as stack:
         err = None

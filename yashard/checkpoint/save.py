@@ -40,6 +40,7 @@ from ..config import dtype_name
 from ..config_compare import config_dict
 from ..layout import shard_pieces
 from ..saved_state import optimizer_units, persistent_buffers
+from ..call_gate import enter
 from ..sharded_model import runtime_of
 from ..step_in_backward import inner_optimizer
 from ..version import __version__
@@ -310,6 +311,7 @@ def save_checkpoint(path: str | os.PathLike, model, optimizer: torch.optim.Optim
     rt = runtime_of(model, "save_checkpoint")
     optimizer = inner_optimizer(optimizer)  # (step_in_backward: the plain optimizer inside, its state)
     comm = rt.comm
+    enter(comm, "save_checkpoint")
     root = Path(path)
     err, name, opt_meta = None, None, None
     try:

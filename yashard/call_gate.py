@@ -10,8 +10,8 @@ process group's sequence broken for every later collective.
 So each such call first passes a gate on the group's key-value store (:func:`enter`), before any
 collective of the process group is issued: every rank adds itself to the call's counter and waits
 (a blocking store wait, woken by the last rank to arrive) until every rank of the group arrived
-(``collective_timeout`` at most). The
-gate costs a few store round trips per call, once per export or save; the collectives of the
+(``collective_timeout`` at most). Each rank compares its call with the first rank's, so the
+gate costs a few store round trips per rank and call, whatever the world size, once per export or save; the collectives of the
 training step never pass it.
 
 * Every rank arrived, the same call: the call goes on.
@@ -45,7 +45,8 @@ logger = logging.getLogger("yashard")
 ABORT_KEY = "yashard/abort"
 ACK_KEY = "yashard/abort/acks"   # how many peers ended, having logged why
 _POLL = 0.005                         # seconds between looks at the peers' acknowledgements
-_WATCH_EVERY = 0.5                    # seconds between the watchdog's looks at the abort key
+_WATCH_EVERY = 0.5                    # seconds between the watchdog's looks at the abort key, at most
+_WATCH_LOAD = 2000                    # ... every rank's watchdog together: at most this many looks a second
 _watched: dict[int, threading.Thread] = {}   # id(store) -> its watchdog thread
 _lock = threading.Lock()
 
@@ -85,17 +86,19 @@ def watch(comm) -> None:
             own = store.clone()   # (its own connection: the main thread's store calls never wait for it)
         except Exception:  # noqa: BLE001 - a store that cannot be cloned gets no watchdog
             return
-        t = threading.Thread(target=_watchdog, args=(own, comm.rank), name="yashard-call-watchdog", daemon=True)
+        t = threading.Thread(target=_watchdog, args=(own, comm.rank, max(_WATCH_EVERY, comm.world / _WATCH_LOAD)),
+                             name="yashard-call-watchdog", daemon=True)
         _watched[id(store)] = t
         t.start()
 
 
-def _watchdog(store, rank: int) -> None:
-    """Look for the abort key every ``_WATCH_EVERY`` seconds, on this thread's own store connection
+def _watchdog(store, rank: int, every: float) -> None:
+    """Look for the abort key every ``every`` seconds (0.5, or longer on a large world so the store
+    sees at most ``_WATCH_LOAD`` looks a second), on this thread's own store connection
     (a check is one small round trip; a blocking wait instead would be cut off in C++ at
     interpreter exit, which aborts the process)."""
     while True:
-        time.sleep(_WATCH_EVERY)
+        time.sleep(every)
         try:
             if not store.check([ABORT_KEY]):
                 continue
@@ -135,7 +138,12 @@ def enter(comm, call: str) -> None:
     store, n = gate.store, gate.seq
     gate.seq += 1
     key = f"{gate.prefix}/{n}"
-    store.set(f"{key}/r{comm.rank}", call)
+    store.set(f"{key}/r{comm.rank}", call)   # (read only to name the missing ranks after a timeout)
+    # the first rank's call, to compare with: O(1) store operations a rank, whatever the world size
+    first_rank, first_call = store.compare_set(f"{key}/call", "", f"{comm.rank}:{call}").decode().split(":", 1)
+    if first_call != call:  # (set before this rank is counted: every rank sees it once all have arrived)
+        pair = sorted([(int(first_rank), first_call), (comm.rank, call)])
+        store.compare_set(f"{key}/mismatch", "", ", ".join(f"rank {r}: {c}" for r, c in pair))
     if store.add(f"{key}/count", 1) == comm.world:   # the last to arrive lets the others through
         store.set(f"{key}/all", "1")
     else:
@@ -149,16 +157,15 @@ def enter(comm, call: str) -> None:
                     break
                 if timeout is not None:
                     _give_up(comm, store, key, call, timeout)
-    calls = [store.get(f"{key}/r{r}").decode() for r in range(comm.world)]
-    if len(set(calls)) > 1:
-        shown = ", ".join(f"rank {r}: {c}" for r, c in enumerate(calls))
+    if store.check([f"{key}/mismatch"]):
+        shown = store.get(f"{key}/mismatch").decode()
         raise CollectiveError(
             f"yashard: the ranks entered different collective calls ({shown}); every rank must make the same "
             "yashard calls in the same order (export_hf, save_checkpoint, load_checkpoint, full_state_dict, "
             "save_adapter are collectives)")
-    if comm.rank == 0 and n > 0:   # every rank passed the previous gate: its keys are done with
+    if n > 0:   # every rank passed the previous gate: its keys are done with (each rank deletes its own)
         try:
-            for name in ["count", "all"] + [f"r{r}" for r in range(comm.world)]:
+            for name in (["count", "all", "call"] if comm.rank == 0 else []) + [f"r{comm.rank}"]:
                 store.delete_key(f"{gate.prefix}/{n - 1}/{name}")
         except (RuntimeError, NotImplementedError):  # (a store that cannot delete keeps them: a few bytes a call)
             pass

@@ -44,8 +44,9 @@ def quant_parts(numel: int, *, double_quant: bool, quant_storage: torch.dtype = 
     return parts
 
 
-def _meta_4bit(module, *, double_quant: bool, quant_storage: torch.dtype, compute_dtype: torch.dtype):
-    """A quantised ``Params4bit`` for ``module`` (a ``Linear4bit``) on the meta device."""
+def _meta_4bit(module, *, double_quant: bool, quant_storage: torch.dtype, weight_dtype: torch.dtype):
+    """A quantised ``Params4bit`` for ``module`` (a ``Linear4bit``) on the meta device, as if
+    quantised from a weight in ``weight_dtype`` (its ``QuantState.dtype``: what it dequantises to)."""
     import bitsandbytes as bnb
     from bitsandbytes.functional import QuantState
 
@@ -57,7 +58,7 @@ def _meta_4bit(module, *, double_quant: bool, quant_storage: torch.dtype, comput
         nested = QuantState(absmax=parts["qs.state2.absmax"], code=parts["qs.state2.code"],
                             blocksize=NESTED_BLOCKSIZE, dtype=torch.float32)
     state = QuantState(absmax=parts["qs.absmax"], shape=shape, code=parts["qs.code"], blocksize=BLOCKSIZE,
-                       quant_type="nf4", dtype=compute_dtype, offset=parts.get("qs.offset"), state2=nested)
+                       quant_type="nf4", dtype=weight_dtype, offset=parts.get("qs.offset"), state2=nested)
     return bnb.nn.Params4bit(parts["data"], requires_grad=False, quant_state=state, blocksize=BLOCKSIZE,
                              compress_statistics=double_quant, quant_type="nf4", quant_storage=quant_storage,
                              module=module, bnb_quantized=True)
@@ -85,7 +86,7 @@ def qlora_model(config, *, rank: int = 16, alpha: int | None = None, targets="al
     for module in model.modules():
         if type(module).__name__ == "Linear4bit":
             module.weight = _meta_4bit(module, double_quant=double_quant, quant_storage=quant_storage,
-                                       compute_dtype=compute_dtype)
+                                       weight_dtype=param_dtype)
     model.is_loaded_in_4bit = True
     with torch.device("meta"):
         return get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules=targets,
@@ -93,19 +94,38 @@ def qlora_model(config, *, rank: int = 16, alpha: int | None = None, targets="al
 
 
 def dequantized_bytes(model, param_bytes: int) -> int:
-    """The largest 4-bit weight dequantised to the compute dtype: bitsandbytes' ``Linear4bit``
-    makes it whole in its forward and again in its backward, one weight at a time."""
-    sizes = [torch.Size(p.quant_state.shape).numel() for p in model.parameters()
-             if type(p).__name__ == "Params4bit" and getattr(p, "quant_state", None) is not None]
-    return max(sizes, default=0) * param_bytes
+    """The largest 4-bit weight dequantised: ``MatMul4Bit.backward`` makes it whole in its
+    ``QuantState.dtype``, then casts it to the compute dtype when that differs
+    (bitsandbytes 0.50 ``autograd/_functions.py:384``), one weight at a time."""
+    out = 0
+    for p in model.parameters():
+        state = getattr(p, "quant_state", None) if type(p).__name__ == "Params4bit" else None
+        if state is not None:
+            s = state.dtype.itemsize
+            out = max(out, torch.Size(state.shape).numel() * (s + (param_bytes if s != param_bytes else 0)))
+    return out
 
 
-def adapter_modules_per_layer(model) -> tuple[int, int]:
-    """(LoRA modules in one decoder layer, their rank): what their forward keeps, ``n*r`` each."""
+def adapters_of_layer(model) -> tuple[int, int, int]:
+    """Of one decoder layer: its LoRA modules, their largest rank and its trained elements."""
     from peft.tuners.lora import LoraLayer
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     layer = base.model.layers[0]
     mods = [m for m in layer.modules() if isinstance(m, LoraLayer)]
-    ranks = {r for m in mods for r in m.r.values()}
-    return len(mods), max(ranks, default=0)
+    rank = max((r for m in mods for r in m.r.values()), default=0)
+    return len(mods), rank, sum(p.numel() for p in layer.parameters() if p.requires_grad)
+
+
+def qlora_activations(acts, shape, model, param_bytes: int):
+    """``acts`` (:func:`yashard.plan.activations.activations` of the base) for QLoRA: each LoRA
+    module keeps its ``r``-wide hidden, ``n*r*p`` (its input is the base layer's, already kept); a
+    layer's weight gradients are its adapters' only; in the MLP's backward, down_proj's
+    dequantised weight (:func:`dequantized_bytes`) stands where its weight gradient was."""
+    from dataclasses import replace
+
+    mods, rank, trained = adapters_of_layer(model)
+    n, p = acts.tokens, param_bytes
+    return replace(acts, layer=acts.layer + mods * n * rank * p, layer_grads=trained * p,
+                   mlp_transient=acts.mlp_transient - shape.hidden * shape.intermediate * p
+                   + dequantized_bytes(model, p))

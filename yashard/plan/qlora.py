@@ -30,6 +30,9 @@ def quant_parts(numel: int, *, double_quant: bool, quant_storage: torch.dtype = 
     nested state (its fp32 absmax per 256 blocks and its code table)."""
     nbytes = (numel + 1) // 2
     item = torch.empty((), dtype=quant_storage).element_size()
+    if nbytes % item:
+        raise ValueError(f"a 4-bit weight of {numel} elements packs into {nbytes} bytes, not a whole number of "
+                         f"{quant_storage} elements: bitsandbytes cannot quantise it with that quant_storage; use uint8")
     blocks = -(-numel // blocksize)
     parts = {"data": (quant_storage, (nbytes // item, 1))}
     if not double_quant:

@@ -123,6 +123,8 @@ def test_llama_3_70b_qlora_fits_24gib_at_w4(capsys):
     (["--qlora", "--lora-targets", "no_such_proj"], "--lora-targets no_such_proj: Target modules {'no_such_proj'} "
                                                     "not found"),
     (["--qlora", "--quant-storage", "int4"], "--quant-storage: invalid choice: 'int4'"),
+    (["--qlora", "--share-outer-slot"], "--share-outer-slot does not work with a 4-bit base"),
+    (["--qlora", "--secondary-group-size", "1"], "--secondary-group-size (hpZ) does not work with a 4-bit base"),
 ])
 def test_a_bad_qlora_flag_is_a_usage_error(folder, args, message, capsys):
     from yashard.plan.__main__ import main

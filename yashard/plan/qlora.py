@@ -121,10 +121,16 @@ def adapters_of_layer(model) -> tuple[int, int, int]:
 
 
 def qlora_activations(acts, shape, model, param_bytes: int):
-    """``acts`` (:func:`yashard.plan.activations.activations` of the base) for QLoRA: each LoRA
-    module keeps its ``r``-wide hidden, ``n*r*p`` (its input is the base layer's, already kept); a
-    layer's weight gradients are its adapters' only; in the MLP's backward, down_proj's
-    dequantised weight (:func:`dequantized_bytes`) stands where its weight gradient was."""
+    """``acts`` (:func:`yashard.plan.activations.activations` of the base) for QLoRA.
+
+    - A 4-bit layer saves no input (``MatMul4Bit.forward`` keeps ``(None, B)``, bitsandbytes 0.50
+      ``autograd/_functions.py:357``); a LoRA module's ``lora_A`` saves that same input, so with LoRA
+      on all linear layers the base's count stands; with fewer targets it is an upper bound.
+    - Each LoRA module keeps its ``r``-wide hidden, ``n*r*p``, for ``lora_B``.
+    - A layer's weight gradients are its adapters' only.
+    - The MLP's backward: down_proj makes no weight gradient, ``h*i*p`` less; one dequantised
+      weight (:func:`dequantized_bytes`) is counted on top of the ``Mul``'s backward instead. It
+      exists in down_proj's backward, just before: an upper bound."""
     from dataclasses import replace
 
     mods, rank, trained = adapters_of_layer(model)

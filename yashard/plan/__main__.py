@@ -4,6 +4,7 @@
     python -m yashard.plan --config llama-3-8b --world 8 --seq-len 4096 --micro-batch 1 --checkpoint-layers 32
     python -m yashard.plan --config path/to/config.json --world 64 --shard-group-size 8
     python -m yashard.plan --config llama-3-8b --world 8 --checkpoint-layers 32 --loss chunked --step-in-backward
+    python -m yashard.plan --config llama-3-70b --world 4 --qlora --seq-len 2048 --checkpoint-layers 80 --gpu-memory 24GiB
 
 Each row of the plan is marked fixed (the slots hold whole units, whatever the world size) or 1/W
 (this rank's share of the model), then the model state with AdamW against one GPU's memory. Then
@@ -14,6 +15,7 @@ rank and kind, message sizes, and their time at ``--bandwidth`` against the comp
 ``--tflops`` and ``--mfu``, for yashard with and without ZeRO++ and hybrid sharding, and the peers.
 ``--loss chunked`` plans every engine with its loss in sequence chunks, ``--step-in-backward``
 yashard stepping each unit in the backward, ``--fsdp2-root-group`` FSDP2's old root wrapping.
+``--qlora`` plans LoRA on an NF4 base (:mod:`yashard.plan.qlora`): yashard's peak only.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from .activations import ATTENTION, LOSSES, activations, shape_of, yashard_peak
 from .comm import Qgz, cross_node_sent, peer_collectives, step_seconds, summarize, unit_sizes, yashard_collectives
 from .peers import deepspeed_zero3_peak, fsdp2_peak
 from .presets import PRESETS, preset_config
+from .qlora import STORAGES, dequantized_bytes, qlora_activations, qlora_model
 
 # Rows whose size does not shrink as the world grows (the slots hold whole units); the others
 # hold this rank's 1/W of the model.
@@ -110,7 +113,7 @@ def largest_micro_batch(peak_of, gpu_memory: int, limit: int = 1 << 16) -> int:
 def peaks_report(model, result: MemoryPlan, config: ShardConfig, world: int, *, seq: int, micro_batch: int,
                  checkpoint: int, attention: str, gpu_memory: int | None, backend: str = "nccl",
                  grad_accum: int = 1, loss: str = "hf", step_in_backward: bool = False,
-                 fsdp2_root_group: bool = False) -> str:
+                 fsdp2_root_group: bool = False, qlora=None) -> str:
     """The activation estimate and the peaks of yashard, FSDP2 and ZeRO-3, with the largest
     micro-batch that fits ``gpu_memory``. The peers shard over all ``world`` ranks. With
     ``grad_accum`` micro-batches a step, FSDP2's peak is that of the second and later ones, which
@@ -118,26 +121,31 @@ def peaks_report(model, result: MemoryPlan, config: ShardConfig, world: int, *, 
     ``loss``: ``"hf"`` (the model's own) or ``"chunked"`` (every engine, as torchtitan ships it).
     ``step_in_backward``: yashard steps each unit in the backward, without its fp32 gradient shards.
     ``fsdp2_root_group``: FSDP2 with the root holding the embedding, the norm and the lm_head,
-    instead of torchtitan's wrapping."""
+    instead of torchtitan's wrapping. ``qlora``: the QLoRA model ``result`` is the plan of
+    (:func:`yashard.plan.qlora.qlora_model`; ``model`` is then its unquantised base): yashard alone."""
     shape = shape_of(model)
     p = dtype_bytes(config.param_dtype)
     r = dtype_bytes(config.wire_dtype)
     state = result.total_bytes + result.adamw_bytes
     # (a plan of ShardConfig(step_in_backward=True) has no gradient shards left to remove)
     saves = grad_shard_bytes(result) if step_in_backward else 0
-    less = _step_in_backward_saves(model, result, config, world, backend) if step_in_backward else 0
+    less = _step_in_backward_saves(qlora or model, result, config, world, backend) if step_in_backward else 0
 
     def acts_of(mb: int):
-        return activations(shape, seq=seq, micro_batch=mb, param_bytes=p, checkpoint_layers=checkpoint,
+        acts = activations(shape, seq=seq, micro_batch=mb, param_bytes=p, checkpoint_layers=checkpoint,
                            attention=attention, loss=loss)
+        return acts if qlora is None else qlora_activations(acts, shape, qlora, p)
 
     engines = {
-        "yashard": lambda mb: yashard_peak(state, shape, acts_of(mb), step_in_backward_saves=saves),
+        "yashard": lambda mb: yashard_peak(state, shape, acts_of(mb), step_in_backward_saves=saves,
+                                           head_trains=qlora is None),
         "FSDP2": lambda mb: fsdp2_peak(shape, acts_of(mb), world=world, param_bytes=p, reduce_bytes=r,
                                        backend=backend, accumulating=grad_accum > 1, root_group=fsdp2_root_group),
         "DeepSpeed ZeRO-3": lambda mb: deepspeed_zero3_peak(shape, acts_of(mb), world=world, param_bytes=p,
                                                             reduce_bytes=r, backend=backend),
     }
+    if qlora is not None:
+        del engines["FSDP2"], engines["DeepSpeed ZeRO-3"]
     acts = acts_of(micro_batch)
     loss_line = (f"the loss runs in {acts.loss_chunks} sequence chunks, one chunk's logits and CE gradients "
                  f"{_gib(acts.loss_chunk)} GiB" if acts.chunked else f"the loss's backward adds {_gib(acts.loss_backward)}")
@@ -149,6 +157,9 @@ def peaks_report(model, result: MemoryPlan, config: ShardConfig, world: int, *, 
              f"a layer's weight gradients {_gib(acts.layer_grads)}",
              "  (yashard: autograd computes all of a layer's weight gradients before Narrow copies them into the "
              "gradient slot, so for a moment they exist outside the plan: in the peaks below)",
+             *([f"  QLoRA: a layer's weight gradients are its adapters'; the lm_head is frozen; one 4-bit weight "
+                f"dequantised, {_gib(dequantized_bytes(qlora, p))} GiB at most, in the MLP's backward; each LoRA "
+                "module keeps its r-wide hidden"] if qlora is not None else []),
              "peak per rank (GiB):",
              f"  {'engine':<17} {'state':>8} {'peak':>8}  {'at':<40}" + ("  fits  largest micro-batch" if gpu_memory else "")]
     for name, peak_of in engines.items():
@@ -157,6 +168,13 @@ def peaks_report(model, result: MemoryPlan, config: ShardConfig, world: int, *, 
         if gpu_memory:
             line += f"  {'yes' if peak.bytes <= gpu_memory else 'no':<4}  {largest_micro_batch(lambda mb: peak_of(mb).bytes, gpu_memory)}"
         lines.append(line)
+    if qlora is not None:
+        lines.append("  FSDP2 and DeepSpeed ZeRO-3: not modelled for QLoRA (--qlora); no peak is printed for them")
+        lines.append("  state: held between steps, the plan + AdamW")
+        if step_in_backward:
+            lines.append(f"  yashard steps each unit in the backward (--step-in-backward): no fp32 gradient shards, "
+                         f"{_gib(less)} GiB less")
+        return "\n".join(lines)
     lines.append("  state: held between steps (yashard: plan + AdamW; FSDP2: fp32 shards + AdamW; ZeRO-3: its "
                  "partitions, fp32 masters, gradient partitions, AdamW, persistent parameters and gradient bucket)")
     lines.append("  FSDP2: " + ("the root holds the embedding, the final norm and the lm_head (--fsdp2-root-group)"
@@ -262,6 +280,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="yashard steps each unit's optimizer in the backward: no fp32 gradient shards")
     p.add_argument("--fsdp2-root-group", action="store_true",
                    help="FSDP2 with the old root wrapping (embedding, norm and lm_head in the root), not torchtitan's")
+    p.add_argument("--qlora", action="store_true",
+                   help="plan LoRA on an NF4 4-bit base: the decoder's linear layers 4-bit, LoRA on --lora-targets")
+    p.add_argument("--lora-rank", type=int, default=None, help="with --qlora: LoRA's r (default 16)")
+    p.add_argument("--lora-targets", default=None,
+                   help="with --qlora: all-linear (default) or comma-separated module names, e.g. q_proj,v_proj")
+    p.add_argument("--double-quant", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --qlora: double quantisation of the absmax (default on)")
+    p.add_argument("--quant-storage", choices=STORAGES, default=None,
+                   help="with --qlora: the dtype holding the packed codes (default uint8)")
     p.add_argument("--bandwidth", type=_rate, default=parse_bytes("50GB"),
                    help="bytes per second one rank sends across nodes, e.g. 50GB/s")
     p.add_argument("--node-bandwidth", type=_rate, default=None,
@@ -283,11 +310,22 @@ def main(argv: list[str] | None = None) -> int:
                 "folder")
     if args.world < 1:
         p.error(f"--world {args.world}: the number of data-parallel ranks, use 1 or more")
+    _check_qlora_flags(p, args)
     try:
         source = preset_config(args.config) if args.config in PRESETS else args.config
         model = _meta_model(source)
     except (ValueError, OSError) as e:
         p.error(f"--config {args.config}: {_one_line(e)}")
+    planned = model
+    if args.qlora:
+        try:
+            targets = args.lora_targets or "all-linear"
+            planned = qlora_model(model.config, rank=args.lora_rank or 16, double_quant=args.double_quant is not False,
+                                  targets=targets if targets == "all-linear" else targets.split(","),
+                                  quant_storage=STORAGES[args.quant_storage or "uint8"],
+                                  param_dtype=dtypes[args.param_dtype])
+        except ValueError as e:
+            p.error(f"--lora-targets {args.lora_targets}: {_one_line(e)}")
     layers = getattr(model.config, "num_hidden_layers", None)
     if layers is not None and args.checkpoint_layers > layers:
         p.error(f"--checkpoint-layers {args.checkpoint_layers}: the model has {layers} decoder layers; use a value "
@@ -298,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
                              quantized_weights=args.quantized_weights, reshard_after_forward=not args.no_reshard,
                              share_outer_slot=args.share_outer_slot, checkpoint_layers=args.checkpoint_layers,
                              step_in_backward=args.step_in_backward)
-        result = plan(model, world_size=args.world, config=config, backend=args.backend)
+        result = plan(planned, world_size=args.world, config=config, backend=args.backend)
         # (refuses a model family the activation estimate cannot model)
         activations(shape_of(model), seq=args.seq_len, micro_batch=args.micro_batch,
                     param_bytes=dtype_bytes(config.param_dtype), checkpoint_layers=args.checkpoint_layers,
@@ -306,25 +344,48 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         p.error(_as_flags(_one_line(e)))
     print(f"{args.config}: param_dtype {dtype_name(config.param_dtype)}, reduce_dtype "
-          f"{dtype_name(config.wire_dtype)}, backend {args.backend}")
+          f"{dtype_name(config.wire_dtype)}, backend {args.backend}" + (
+              f"; QLoRA: NF4{' with double quantisation' if args.double_quant is not False else ''}, "
+              f"{args.quant_storage or 'uint8'} storage, LoRA r={args.lora_rank or 16} on "
+              f"{args.lora_targets or 'all-linear'}" if args.qlora else ""))
     print(report(result, args.gpu_memory))
-    hint = _shared_outer_hint(model, result, config, args.world, args.backend)
+    hint = _shared_outer_hint(planned, result, config, args.world, args.backend)
     if hint:
         print(hint)
     if args.step_in_backward:
-        saved = _step_in_backward_saves(model, result, config, args.world, args.backend)
+        saved = _step_in_backward_saves(planned, result, config, args.world, args.backend)
         print(f"  with --step-in-backward: no fp32 grad shards, model state "
               f"{(result.total_bytes + result.adamw_bytes) / 2**30:.3f} GiB, {saved / 2**30:.3f} GiB less "
               "(each unit steps from its reduce-scatter output)")
     print(peaks_report(model, result, config, args.world, seq=args.seq_len, micro_batch=args.micro_batch,
                        checkpoint=args.checkpoint_layers, attention=args.attention, gpu_memory=args.gpu_memory,
                        backend=args.backend, grad_accum=args.grad_accum, loss=args.loss,
-                       step_in_backward=args.step_in_backward, fsdp2_root_group=args.fsdp2_root_group))
+                       step_in_backward=args.step_in_backward, fsdp2_root_group=args.fsdp2_root_group,
+                       qlora=planned if args.qlora else None))
+    if args.qlora:
+        print("communication: not modelled for --qlora (a 4-bit layer gathers its packed bytes: docs/benchmarks.md)")
+        return 0
     print(comm_report(model, config, args.world, tokens=args.seq_len * args.micro_batch, checkpoint=args.checkpoint_layers,
                       bandwidth=args.bandwidth, node_bandwidth=args.node_bandwidth or args.bandwidth,
                       ranks_per_node=args.ranks_per_node, tflops=args.tflops, mfu=args.mfu,
                       micro_batches=args.grad_accum))
     return 0
+
+
+_QLORA_FLAGS = ("lora_rank", "lora_targets", "double_quant", "quant_storage")
+
+
+def _check_qlora_flags(p: argparse.ArgumentParser, args) -> None:
+    """The QLoRA flags need --qlora; a rank is >= 1; qwZ does not apply to 4-bit layers."""
+    given = [f for f in _QLORA_FLAGS if getattr(args, f) is not None]
+    if given and not args.qlora:
+        flag = "--" + given[0].replace("_", "-")
+        p.error(f"{flag} plans a QLoRA run: add --qlora, or drop {flag}")
+    if args.lora_rank is not None and args.lora_rank < 1:
+        p.error(f"--lora-rank {args.lora_rank}: LoRA's rank, use 1 or more")
+    if args.qlora and args.quantized_weights is not None:
+        p.error(f"--quantized-weights {args.quantized_weights} with --qlora: the 4-bit layers already gather packed "
+                "bytes; drop --quantized-weights")
 
 
 # ShardConfig's fields as the command line names them, for its error messages.

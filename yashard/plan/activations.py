@@ -236,7 +236,7 @@ FUSED_CHUNK_TOKENS = 1024  # yashard's fused loss: tokens per chunk (ShardConfig
 
 
 def yashard_peak(state: int, shape: ModelShape, acts: Activations, *, step_in_backward_saves: int = 0,
-                 loss_chunk_tokens: int = FUSED_CHUNK_TOKENS) -> Peak:
+                 loss_chunk_tokens: int = FUSED_CHUNK_TOKENS, head_trains: bool = True) -> Peak:
     """yashard's peak: ``state`` (the memory plan and AdamW's moments, held from step one) plus the
     activations and the backward's transients. Nothing of yashard's own is allocated in a step, so
     the candidates are the forward's end, the loss's backward, the lm_head's backward (its weight
@@ -253,7 +253,9 @@ def yashard_peak(state: int, shape: ModelShape, acts: Activations, *, step_in_ba
 
     ``step_in_backward_saves``: the bytes of ``state`` that the optimizer step in backward removes,
     the fp32 gradient shards (``4 N/W``, :func:`yashard.plan.grad_shard_bytes`): each unit steps
-    from the reduce-scatter output it already holds, so no buffer replaces them."""
+    from the reduce-scatter output it already holds, so no buffer replaces them.
+
+    ``head_trains=False``: a frozen lm_head (QLoRA's), whose backward makes no weight gradient."""
     if step_in_backward_saves < 0 or step_in_backward_saves > state:
         raise ValueError(f"step_in_backward_saves={step_in_backward_saves}: the fp32 gradient shards' bytes, between 0 "
                          f"and the state ({state})")
@@ -266,7 +268,7 @@ def yashard_peak(state: int, shape: ModelShape, acts: Activations, *, step_in_ba
         chunk = min(acts.tokens, loss_chunk_tokens) * shape.vocab * (p + 8)
         moments = [Moment("forward end", fwd), Moment("loss (one chunk)", fwd + acts.io + chunk)]
     else:
-        head_grad = shape.vocab * shape.hidden * p
+        head_grad = shape.vocab * shape.hidden * p if head_trains else 0
         moments = [
             Moment("forward end", fwd + acts.loss_forward),
             Moment("loss backward", fwd + acts.loss_backward),

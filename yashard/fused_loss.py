@@ -102,11 +102,13 @@ class ChunkedLinearCE(torch.autograd.Function):
             raw = h_c @ weight.t()
             t = torch.tanh(raw / cap) if cap is not None else None
             z = t * cap if cap is not None else raw
-            p = (z.float() - lse[lo:hi, None]).exp_()
+            p = z.float()  # (one fp32 chunk: in place from here on; raw and z are not read again)
+            del z, raw
+            p.sub_(lse[lo:hi, None]).exp_()
             p.scatter_add_(1, safe[lo:hi, None], torch.full((hi - lo, 1), -1.0, dtype=p.dtype, device=p.device))
             p.mul_(scale[lo:hi, None])
             g = p.to(hidden.dtype)  # (the backward of HF's logits.float())
-            del p, z, raw
+            del p
             if cap is not None:  # (the backward of tanh(x / c) * c, op by op)
                 g = torch.ops.aten.tanh_backward(g * cap, t) / cap
                 del t

@@ -211,7 +211,7 @@ class FusedHead:
 
     def post_forward(self, module, args, output):
         call, self.call = self.call, None
-        if call is None or call.loss is None:
+        if call is None or call.loss is None or output is None:  # (None: the forward raised)
             return None
         if call.consumed is None:
             raise RuntimeError(

@@ -2,8 +2,8 @@
 
 ``logits = hidden @ weight.T`` (optionally soft-capped, ``tanh(logits / c) * c``) and their
 cross-entropy are computed ``chunk`` tokens at a time, so neither the full logits nor their fp32
-gradients ever exist. The forward keeps one fp32 log-sum-exp per token; the backward recomputes
-each chunk's logits and turns them into that chunk's gradients at once.
+gradients ever exist. The forward keeps nothing but its inputs; the backward recomputes each
+chunk's logits and turns them into that chunk's gradients at once.
 
 * The gradient of ``hidden`` is written chunk by chunk into one tensor of ``hidden``'s size.
 * The gradient of ``weight`` is added chunk by chunk into a destination ``sink()`` names (a
@@ -62,17 +62,14 @@ class ChunkedLinearCE(torch.autograd.Function):
         n = hidden.shape[0]
         valid = targets != ignore_index
         safe = torch.where(valid, targets, torch.zeros((), dtype=targets.dtype, device=targets.device))
-        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for lo in range(0, n, chunk):
             hi = min(n, lo + chunk)
-            z = softcap_logits(hidden[lo:hi] @ weight.t(), softcap).float()
-            lse_c = torch.logsumexp(z, dim=-1)
-            target = z.gather(1, safe[lo:hi, None]).squeeze(1)
-            lse[lo:hi] = lse_c
-            total += torch.where(valid[lo:hi], lse_c - target, 0.0).sum()
-            del z
-        ctx.save_for_backward(hidden, weight, safe, valid, lse)
+            logp = torch.log_softmax(softcap_logits(hidden[lo:hi] @ weight.t(), softcap).float(), dim=-1)
+            nll = -logp.gather(1, safe[lo:hi, None]).squeeze(1)
+            total += torch.where(valid[lo:hi], nll, 0.0).sum()
+            del logp
+        ctx.save_for_backward(hidden, weight, safe, valid)
         ctx.softcap, ctx.chunk, ctx.sink, ctx.begin = softcap, chunk, sink, begin
         return total
 
@@ -81,7 +78,7 @@ class ChunkedLinearCE(torch.autograd.Function):
     def backward(ctx, grad_total):  # noqa: D102
         if ctx.begin is not None:
             ctx.begin()
-        hidden, weight, safe, valid, lse = ctx.saved_tensors
+        hidden, weight, safe, valid = ctx.saved_tensors
         cap, chunk = ctx.softcap, ctx.chunk
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(hidden) if need_h else None
@@ -102,11 +99,13 @@ class ChunkedLinearCE(torch.autograd.Function):
             raw = h_c @ weight.t()
             t = torch.tanh(raw / cap) if cap is not None else None
             z = t * cap if cap is not None else raw
-            p = z.float()  # (one fp32 chunk: in place from here on; raw and z are not read again)
+            # the backward of nll_loss(log_softmax(z)), op by op as torch's: exp(log p) * s at every
+            # class, less s at the target (one fp32 chunk, in place from the log-softmax on)
+            p = torch.log_softmax(z.float(), dim=-1)
             del z, raw
-            p.sub_(lse[lo:hi, None]).exp_()
-            p.scatter_add_(1, safe[lo:hi, None], torch.full((hi - lo, 1), -1.0, dtype=p.dtype, device=p.device))
-            p.mul_(scale[lo:hi, None])
+            s_c = scale[lo:hi, None]
+            p.exp_().mul_(s_c)
+            p.scatter_add_(1, safe[lo:hi, None], -s_c)
             g = p.to(hidden.dtype)  # (the backward of HF's logits.float())
             del p
             if cap is not None:  # (the backward of tanh(x / c) * c, op by op)

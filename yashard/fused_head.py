@@ -21,6 +21,7 @@ would. Forwards without grad, or without ``labels``, run the HF loss and return 
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -160,12 +161,11 @@ class FusedHead:
             return own(hidden, *args, **kwargs)
         weight = self.head.__dict__.get("weight")
         unit, index, back = self.unit, self.index, self.backward_unit
-        sink = begin = None
+        sink = begin = None  # (they hold the units weakly, as the units' autograd nodes do)
         if weight is not None and weight.requires_grad:
-            sink = lambda: unit.grad_destination(index)  # noqa: E731
+            sink = functools.partial(_grad_destination, unit.ref, index)
         if back is not None and back.fwd_id == self.state.grad_fwd_id:
-            fwd_id = back.fwd_id
-            begin = lambda: back.on_backward_start(fwd_id)  # noqa: E731
+            begin = functools.partial(_backward_start, back.ref, back.fwd_id)
         if self.vocab_size is not None and weight.shape[0] != self.vocab_size:
             raise ValueError(
                 f"the lm_head has {weight.shape[0]} outputs but the config's vocab_size is {self.vocab_size}: the HF "
@@ -229,3 +229,17 @@ class FusedHead:
             raise RuntimeError("the fused chunked loss cannot replace the logits in a "
                                f"{type(output).__name__}: pass ShardConfig(loss='hf')")
         return None
+
+
+def _grad_destination(ref, index: int):
+    """The sink of the lm_head weight's gradient: its range of the gradient slot (None once the
+    model is gone: a backward that outlives it writes nothing)."""
+    unit = ref()
+    return unit.grad_destination(index) if unit is not None else None
+
+
+def _backward_start(ref, fwd_id: int) -> None:
+    """What the lm_head's ``BackwardEntry`` would do: re-gather it, check the forward is current."""
+    unit = ref()
+    if unit is not None:
+        unit.on_backward_start(fwd_id)

@@ -118,6 +118,7 @@ class FusedHead:
         self.record = record  # the forward-output sums (yashard.grad_norm.ForwardSums.record)
         self.why_not = fusable(model, spec, config, self.head)
         self.call: _Call | None = None
+        self.installed = None  # the loss_function the model was given
         text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.softcap = getattr(text, "final_logit_softcapping", None)
         self.vocab_size = getattr(text, "vocab_size", None)
@@ -139,9 +140,9 @@ class FusedHead:
             return []
         model, head = self.model, self.head
         self.delegate = model.loss_function
-        model.loss_function = self.loss_function
-        own = head.forward
-        head.forward = lambda *args, **kwargs: self.head_forward(own, *args, **kwargs)
+        # (opaque to torch.compile, as the runtime's hooks: Dynamo runs them as they are)
+        model.loss_function = self.installed = torch.compiler.disable(self.loss_function)
+        head.forward = torch.compiler.disable(functools.partial(self.head_forward, head.forward))
         return [model.register_forward_pre_hook(torch.compiler.disable(self.pre_forward), with_kwargs=True),
                 model.register_forward_hook(torch.compiler.disable(self.post_forward), always_call=True)]
 
@@ -149,7 +150,9 @@ class FusedHead:
     def pre_forward(self, module, args, kwargs):
         self.call = None
         labels = kwargs.get("labels")
-        if labels is None or not torch.is_grad_enabled() or self.model.__dict__.get("_loss_function") != self.loss_function:
+        if labels is None or not torch.is_grad_enabled():
+            return None
+        if self.model.__dict__.get("_loss_function") is not self.installed:  # (replaced since: the HF loss)
             return None
         self.call = _Call(labels, kwargs.get("shift_labels"), kwargs.get("num_items_in_batch"),
                           kwargs.get("ignore_index", -100))

@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_leaves
 
 from .build import UnitSet
 from .config import ShardConfig
-from .fused_loss import chunked_causal_lm_loss, softcap_logits
+from .fused_loss import chunked_causal_lm_sum, normalise, softcap_logits
 from .pass_state import PassState
 from .patch.spec import FAMILIES, ModelSpec, get_path
 from .unit import Unit
@@ -173,12 +173,12 @@ class FusedHead:
             raise ValueError(
                 f"the lm_head has {weight.shape[0]} outputs but the config's vocab_size is {self.vocab_size}: the HF "
                 "loss would view the logits by vocab_size. Fix the config, or pass ShardConfig(loss='hf')")
-        call.loss = chunked_causal_lm_loss(
-            hidden, weight, call.labels, num_items_in_batch=call.num_items, ignore_index=call.ignore_index,
-            shift_labels=call.shift_labels, softcap=self.softcap, chunk_tokens=self.config.loss_chunk_tokens,
-            sink=sink, begin=begin)
+        total, count = chunked_causal_lm_sum(
+            hidden, weight, call.labels, ignore_index=call.ignore_index, shift_labels=call.shift_labels,
+            softcap=self.softcap, chunk_tokens=self.config.loss_chunk_tokens, sink=sink, begin=begin)
         if back is not None and self.config.on_nonfinite != "ignore":
-            self.record(back, call.loss)  # (a NaN/inf in the lm_head's output shows in the loss)
+            self.record(back, total)  # (a NaN/inf in the lm_head's output shows in the sum of the token losses)
+        call.loss = normalise(total, count, call.num_items)
         call.logits_shape = (*hidden.shape[:-1], weight.shape[0])
         call.logits_dtype = torch.result_type(hidden, weight)
         call.probe = torch.tensor(_PROBE, dtype=call.logits_dtype).expand(*hidden.shape[:-1], len(_PROBE))

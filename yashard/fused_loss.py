@@ -145,6 +145,17 @@ def chunked_causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: t
     """transformers' ``ForCausalLMLoss(softcap(hidden @ weight.T), labels, ...)``, computed in chunks
     of ``chunk_tokens`` tokens (see :class:`ChunkedLinearCE` for ``sink`` and ``begin``).
     ``hidden`` is ``[..., h]``, its leading dimensions those of ``labels`` (or ``shift_labels``)."""
+    total, count = chunked_causal_lm_sum(hidden, weight, labels, ignore_index=ignore_index,
+                                         shift_labels=shift_labels, softcap=softcap, chunk_tokens=chunk_tokens,
+                                         sink=sink, begin=begin)
+    return normalise(total, count, num_items_in_batch)
+
+
+def chunked_causal_lm_sum(hidden, weight, labels, *, ignore_index: int = -100, shift_labels=None,
+                          softcap: float | None = None, chunk_tokens: int = 1024, sink: Sink | None = None,
+                          begin: Callable[[], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sum of the token losses (fp32) and the number of tokens not ignored: what
+    :func:`normalise` turns into the HF loss."""
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
     targets = shifted_targets(labels, shift_labels, ignore_index).to(hidden.device)
@@ -156,8 +167,14 @@ def chunked_causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: t
             "needs (logits_to_keep keeps fewer positions)"
         )
     total = ChunkedLinearCE.apply(flat, weight, targets, ignore_index, softcap, chunk_tokens, sink, begin)
+    return total, (targets != ignore_index).sum()
+
+
+def normalise(total: torch.Tensor, count: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
+    """``fixed_cross_entropy``'s reduction: the mean over ``count`` tokens, or the sum divided by
+    ``num_items_in_batch`` (Trainer's normalisation over accumulated micro-batches)."""
     if num_items_in_batch is None:
-        return total / (targets != ignore_index).sum()
+        return total / count
     if torch.is_tensor(num_items_in_batch):
         num_items_in_batch = num_items_in_batch.to(total.device)
     return total / num_items_in_batch

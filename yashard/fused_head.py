@@ -201,7 +201,7 @@ class FusedHead:
         else:
             expected = softcap_logits(torch.tensor(_PROBE, dtype=call.logits_dtype), self.softcap)
             row = logits.reshape(-1, len(_PROBE))[:1]
-            if row.numel() and not torch.equal(row[0], expected):
+            if row.numel() and not torch.equal(row[0].to(expected.dtype), expected):  # (an upcast is exact)
                 problems.append("logits changed otherwise than " + (
                     "soft-capped by final_logit_softcapping" if self.softcap is not None else "not at all"))
         if problems:

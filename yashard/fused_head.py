@@ -165,7 +165,7 @@ class FusedHead:
         weight = self.head.__dict__.get("weight")
         unit, index, back = self.unit, self.index, self.backward_unit
         sink = begin = None  # (they hold the units weakly, as the units' autograd nodes do)
-        if weight is not None and weight.requires_grad:
+        if weight is not None and weight.requires_grad and not self._sum_in_autograd(weight):
             sink = functools.partial(_grad_destination, unit.ref, index)
         if back is not None and back.fwd_id == self.state.grad_fwd_id:
             begin = functools.partial(_backward_start, back.ref, back.fwd_id)
@@ -183,6 +183,17 @@ class FusedHead:
         call.logits_dtype = torch.result_type(hidden, weight)
         call.probe = torch.tensor(_PROBE, dtype=call.logits_dtype).expand(*hidden.shape[:-1], len(_PROBE))
         return call.probe
+
+    def _sum_in_autograd(self, weight: torch.Tensor) -> bool:
+        """Tied embeddings whose gradient buffer is wider than ``param_dtype`` (a comm hook's fp32
+        slots; ``master.grad`` over one rank): the head's gradient goes back through autograd, which
+        sums it with the embedding's in ``param_dtype``, as the HF loss's path does, so every kind of
+        gradient slot holds the same values (design.md, 16-bit gradient slots)."""
+        if self.backward_unit is not None:
+            return False
+        unit = self.unit
+        wide = torch.float32 if self.state.direct_grads else unit.slot.grads.dtype
+        return wide != weight.dtype
 
     def loss_function(self, logits, labels, vocab_size=None, **kwargs):
         call = self.call

@@ -94,3 +94,20 @@ def test_config_refuses_bad_values():
     with pytest.raises(ValueError, match="ShardConfig.loss_chunk_tokens must be a positive int"):
         yashard.ShardConfig(loss_chunk_tokens=0)
     assert yashard.ShardConfig().loss == "chunked"
+
+
+def test_hf_trainer_trains_through_the_fused_loss_as_on_ddp(tmp_path):
+    """No label smoothing, so Trainer passes labels and num_items_in_batch to the model: the fused loss
+    computes the training loss (accumulation 2); its evaluations run the HF loss under no_grad."""
+    import hf_workers
+
+    kw = dict(gradient_accumulation_steps=2, eval_strategy="steps", eval_steps=2)
+    want = run_distributed(hf_workers.trainer_run, 2, "ddp", str(tmp_path / "ddp"), kw)[0]
+    got = run_distributed(hf_workers.trainer_run, 2, "yashard", str(tmp_path / "y"), kw)[0]
+    assert len(got["steps"]) == len(want["steps"]) > 0
+    for g, w in zip(got["steps"], want["steps"]):
+        for key in ("loss", "grad_norm"):
+            assert abs(g[key] - w[key]) <= 1e-5 * abs(w[key]), (key, g, w)
+    assert [e["eval_loss"] for e in got["evals"]] == pytest.approx([e["eval_loss"] for e in want["evals"]], rel=1e-5)
+    for name, w in want["full"].items():
+        torch.testing.assert_close(got["full"][name], w, rtol=1e-5, atol=1e-6)

@@ -111,3 +111,18 @@ def test_hf_trainer_trains_through_the_fused_loss_as_on_ddp(tmp_path):
     assert [e["eval_loss"] for e in got["evals"]] == pytest.approx([e["eval_loss"] for e in want["evals"]], rel=1e-5)
     for name, w in want["full"].items():
         torch.testing.assert_close(got["full"][name], w, rtol=1e-5, atol=1e-6)
+
+
+def test_use_liger_kernel_is_not_fused_twice(tmp_path):
+    """Without liger-kernel installed, Trainer refuses use_liger_kernel=True with transformers' own
+    ImportError at train(), as without yashard: nothing else fuses the loss on top of yashard's."""
+    import hf_workers
+
+    pytest.importorskip("transformers")
+    try:
+        import liger_kernel  # noqa: F401
+        pytest.skip("liger-kernel is installed: transformers applies none of it to a ShardedModel (not run here)")
+    except ImportError:
+        pass
+    with pytest.raises(RuntimeError, match="liger-kernel >= 0.3.0 is not available"):
+        run_distributed(hf_workers.trainer_run, 1, "yashard", str(tmp_path), dict(use_liger_kernel=True))

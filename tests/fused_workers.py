@@ -112,6 +112,24 @@ def errors_case(rank: int, world: int) -> dict:
         got["keep"] = "no error"
     except ValueError as e:
         got["keep"] = str(e)
+    # an lm_head of another size than the config's vocabulary
+    fh = sm.runtime.fused_head
+    fh.vocab_size = 95
+    try:
+        sm(input_ids=x, labels=x)
+        got["vocab"] = "no error"
+    except ValueError as e:
+        got["vocab"] = str(e)
+    fh.vocab_size = 96
+    # a forward that computed the fused loss but never handed the lm_head's output to its loss
+    from yashard.fused_head import _Call
+
+    fh.call = _Call(x, None, None, -100, loss=torch.zeros(()))
+    try:
+        fh.post_forward(sm.module, (), {"logits": torch.zeros(1)})
+        got["lost"] = "no error"
+    except RuntimeError as e:
+        got["lost"] = str(e)
     # a return_dict=False call: the tuple's logits are replaced too
     out = sm(input_ids=x, labels=x, return_dict=False)
     got["tuple"] = [type(v).__name__ for v in out[:2]]

@@ -82,6 +82,8 @@ def test_logits_of_a_fused_call_raise_naming_the_switch():
     assert "ShardConfig(loss='hf')" in got["changed"]
     assert "positions of hidden states but" in got["keep"]
     assert got["tuple"] == ["Tensor", "LogitsNotComputed"]
+    assert "the lm_head has 96 outputs but the config's vocab_size is 95" in got["vocab"]
+    assert "would be lost. Pass ShardConfig(loss='hf')" in got["lost"]
     assert "not one of the families" in got["cohere"]
     assert got["cohere_logits"] == "Tensor"
 

@@ -306,10 +306,11 @@ def _local_weight_gathers(model) -> None:
 
 
 def setup_yashard(args, device, shape, *, noop: bool = False, reshard: bool = True, nocomm: bool = False,
-                  share_outer: bool = False) -> Engine:
+                  share_outer: bool = False, loss_kw: dict | None = None) -> Engine:
+    # (the HF loss, as the peers compute it, unless loss_kw asks for the fused one: fused_loss_memory.py)
     cfg = yashard.ShardConfig(param_dtype=DTYPES[args.dtype], reduce_dtype=torch.float32,
                               reshard_after_forward=reshard, on_nonfinite="ignore" if nocomm else "raise",
-                              share_outer_slot=share_outer)
+                              share_outer_slot=share_outer, **(loss_kw or {"loss": "hf"}))
     model = yashard.shard(build_model(shape, args.seed), config=cfg)
     noop = noop or nocomm
     if noop:

@@ -66,7 +66,7 @@ def measure(rank: int, world: int, engine: str) -> dict:
     if engine == "yashard":
         import yashard
 
-        model = yashard.shard(_model())
+        model = yashard.shard(_model(), config=yashard.ShardConfig(loss="hf"))  # (the HF loss the planner models)
         opt = torch.optim.AdamW(model.param_groups(0.1), lr=1e-3, fused=True)
     else:
         from torch.distributed.device_mesh import init_device_mesh

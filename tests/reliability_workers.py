@@ -782,7 +782,9 @@ def unreached_layers_are_skipped(rank, world, penalty=0.0, discard=False):
     import copy
 
     ref = build(num_hidden_layers=3)
-    sm = yashard.shard(copy.deepcopy(ref))
+    # (loss="hf": the unreached shards are held to 1e-6 of torch's after AdamW's first step, whose
+    # update is the sign of each gradient element; the fused loss's last-bit differences flip some)
+    sm = yashard.shard(copy.deepcopy(ref), config=yashard.ShardConfig(loss="hf"))
     data = batches(2, 2 * world, 8, 96)
 
     def loss_of(model, ids, step):

@@ -97,6 +97,14 @@ class ShardConfig:
         debug_collectives: before every optimizer step, compare every rank's sequence of
             collectives (op, layer, size) since the last step, by hash, and raise
             :class:`yashard.CollectiveOrderError` at the first divergence. Off by default; cheap on.
+        loss: ``"chunked"``: a grad-enabled call with ``labels`` computes the lm_head and the loss
+            in chunks of ``loss_chunk_tokens`` tokens (:mod:`yashard.fused_head`), so the full
+            logits and their fp32 gradients never exist; that call's ``output.logits`` has no values
+            (:class:`yashard.fused_head.LogitsNotComputed`). Used for the families yashard lists
+            (Llama, Mistral, Qwen2, Qwen3, Gemma 1-3); other models run the HF loss, logged at
+            ``shard()``. ``"hf"``: the HF forward computes the logits and its loss, as unsharded.
+        loss_chunk_tokens: tokens per chunk of the fused loss. Each chunk holds its logits in
+            ``param_dtype`` and fp32: ``chunk * vocab * (2 + 4)`` bytes for bf16.
         collective_timeout: seconds any wait for a collective may take before it raises
             :class:`yashard.CollectiveError` naming the layer and phase (a dead or stalled rank).
             On CUDA only the waits the host makes anyway (checks, checkpoints, exports): a timed
@@ -120,6 +128,8 @@ class ShardConfig:
     on_nonfinite: str = "raise"
     debug_collectives: bool = False
     collective_timeout: float | None = 600.0
+    loss: str = "chunked"
+    loss_chunk_tokens: int = 1024
 
     def __post_init__(self) -> None:
         if self.param_dtype not in _FLOAT_DTYPES:
@@ -176,6 +186,12 @@ class ShardConfig:
                 "backward re-gathers, but reshard_after_forward=False keeps every unit's weights gathered, so there "
                 "are none; drop secondary_group_size or use reshard_after_forward=True"
             )
+        if self.loss not in ("chunked", "hf"):
+            raise ValueError(f"ShardConfig.loss={self.loss!r}; use 'chunked' (the fused chunked loss) or 'hf' "
+                             "(the HF forward's logits and loss)")
+        c = self.loss_chunk_tokens
+        if isinstance(c, bool) or not isinstance(c, int) or c < 1:
+            raise ValueError(f"ShardConfig.loss_chunk_tokens must be a positive int (tokens per chunk), got {c!r}")
         if self.on_nonfinite not in ("raise", "skip", "ignore"):
             raise ValueError(f"ShardConfig.on_nonfinite={self.on_nonfinite!r}; use 'raise', 'skip' or 'ignore'")
         if not isinstance(self.step_in_backward, bool):

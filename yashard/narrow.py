@@ -20,7 +20,9 @@ class Narrow(torch.autograd.Function):
         into the unit's gradient slot (in its dtype: ``reduce_dtype``, or ``param_dtype``, the
         gradient's own, see :func:`yashard.build.compact_grads`), or over one data-parallel rank
         (``PassState.direct_grads``) adds it to the unit's fp32 ``master.grad`` in place; autograd never
-        allocates a ``.grad`` for the parameter. It returns no gradient for any input.
+        allocates a ``.grad`` for the parameter. It returns no gradient for any input. A consumer that
+        gave no gradient (None: the fused chunked loss wrote it through ``Unit.grad_destination``)
+        writes nothing: gradients are not materialised as zeros.
       * the node holds the unit weakly: parameter views left on the module keep no runtime alive
         (Python's cycle collector cannot see references held by autograd nodes). A backward that
         outlives its model writes nothing.
@@ -30,6 +32,9 @@ class Narrow(torch.autograd.Function):
     def forward(ctx, token, weights, unit, index):  # noqa: D102
         ctx.unit = unit.ref
         ctx.index = index
+        # a consumer that wrote the gradient itself (the fused chunked loss) hands autograd none: no
+        # zeros of the parameter's size are made for it
+        ctx.set_materialize_grads(False)
         entry = unit.layout.entries[index]
         return weights.narrow(0, entry.offset, entry.numel).view(entry.shape)
 

@@ -25,6 +25,7 @@ from .config import ShardConfig
 from .errors import OrderError
 from .events import Streams, labelled
 from .forward import ForwardSchedule
+from .fused_head import FusedHead
 from .gathers import Gathers
 from .grad_norm import ForwardSums, GradNorms
 from .memory import MemoryInputs, MemoryPlan, SlotSize, UnitSize, plan_memory
@@ -109,6 +110,8 @@ class Runtime:
         self.model.to(self.device)  # moves the remaining buffers (rotary tables, ...)
         self.streams.share_with_comm(self.allocated_tensors().values())
         self._hooks = self.forward.install_hooks()
+        self.fused_head = FusedHead(model, spec, config, self.state, unit_set, self.sums.record)
+        self._hooks += self.fused_head.install()
         ref = weakref.ref(self)
         integrity.refuse_freezing_after_shard(model, lambda: (rt := ref()) and rt.units)
         model._yashard_sharded = True

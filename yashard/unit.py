@@ -266,32 +266,42 @@ class Unit:
         self.backward.begin_backward()
         if not self.state.accumulating:  # torch.autograd.grad / backward(inputs=...): no parameter's .grad changes
             return
-        if not self.grad_claimed:
-            self.backward.claim_grad_slot(self)
         if grad.requires_grad:
             raise RuntimeError(
                 f"backward(create_graph=True) reached {self.name}: yashard writes each gradient into its flat "
                 "gradient buffer as data, so a graph of the gradients (higher-order gradients, gradient "
                 "penalties) cannot be built through a sharded model. Call backward() without create_graph"
             )
+        target = self.grad_destination(index)
+        if target is not None:
+            dst, add = target
+            dst.add_(grad) if add else dst.copy_(grad)
+
+    def grad_destination(self, index: int) -> tuple[torch.Tensor, bool] | None:
+        """Where parameter ``index``'s gradient of this backward goes: its range of the grad slot
+        (over one rank, of ``master.grad``), in the parameter's shape, and whether to add to what it
+        holds (else write over it); None when nothing is written (``torch.autograd.grad``, a shard
+        turned off). Takes the grad slot for this backward first (R4). What ``write_grad`` writes
+        through; the fused chunked loss (:mod:`yashard.fused_head`) adds its chunks into it."""
+        self.backward.begin_backward()
+        if not self.state.accumulating:  # torch.autograd.grad / backward(inputs=...): no parameter's .grad changes
+            return None
+        if not self.grad_claimed:
+            self.backward.claim_grad_slot(self)
         self.got_grad[index] = True
         if self.state.direct_grads:  # one rank: the gradient goes straight into master.grad, summed as torch would
             target = self.master.grad
             if target is None or not self.master.requires_grad:  # turned off since its forward: as
-                return                                          # torch, nothing accumulates into it
+                return None                                     # torch, nothing accumulates into it
             dst = self.grad_views()[index] if target is self.grad_storage else self._entry_view(target, index)
             if self.written[index] or not self.grad_unwritten:
-                dst.add_(grad)
-            else:  # the first write into a gradient that zero_grad(set_to_none=True) dropped
-                dst.copy_(grad)
-                self.written[index] = True
-            return
-        dst = self.grad_views()[index]
-        if self.written[index] or self.unreduced:
-            dst.add_(grad)
-        else:
-            dst.copy_(grad)
+                return dst, True
+            self.written[index] = True  # the first write into a gradient that zero_grad(set_to_none=True) dropped
+            return dst, False
+        add = self.written[index] or self.unreduced
+        if not add:
             self.written[index] = True
+        return self.grad_views()[index], add
 
     def flat_grads(self) -> torch.Tensor:
         """The unit's flat, padded range of the grad slot (what its reduction reads; made once)."""

@@ -138,7 +138,7 @@ def peaks_report(model, result: MemoryPlan, config: ShardConfig, world: int, *, 
 
     engines = {
         "yashard": lambda mb: yashard_peak(state, shape, acts_of(mb), step_in_backward_saves=saves,
-                                           head_trains=qlora is None),
+                                           head_trains=qlora is None, loss_chunk_tokens=config.loss_chunk_tokens),
         "FSDP2": lambda mb: fsdp2_peak(shape, acts_of(mb), world=world, param_bytes=p, reduce_bytes=r,
                                        backend=backend, accumulating=grad_accum > 1, root_group=fsdp2_root_group),
         "DeepSpeed ZeRO-3": lambda mb: deepspeed_zero3_peak(shape, acts_of(mb), world=world, param_bytes=p,
@@ -177,6 +177,9 @@ def peaks_report(model, result: MemoryPlan, config: ShardConfig, world: int, *, 
         return "\n".join(lines)
     lines.append("  state: held between steps (yashard: plan + AdamW; FSDP2: fp32 shards + AdamW; ZeRO-3: its "
                  "partitions, fp32 masters, gradient partitions, AdamW, persistent parameters and gradient bucket)")
+    if loss == "hf":
+        lines.append("  loss: every engine computes the HF loss (yashard's default, ShardConfig(loss='chunked'), "
+                     "is --loss chunked)")
     lines.append("  FSDP2: " + ("the root holds the embedding, the final norm and the lm_head (--fsdp2-root-group)"
                                 if fsdp2_root_group else "wrapped as torchtitan does: the embedding alone, each layer, "
                                 "[norm, lm_head] kept gathered (--fsdp2-root-group: the old root wrapping)"))

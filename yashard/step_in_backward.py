@@ -54,6 +54,9 @@ class OptimizerInBackward(Optimizer):
             self.__dict__.pop(name, None)
         # Per unit (``unit.order``): its last stepped gradient had no NaN/inf (read by the step checks)
         self._finite = torch.ones(len(units), dtype=torch.bool, device=device)
+        # the masters it steps, fixed here (add_param_group is refused; load_state_dict keeps the tensors):
+        # read at every unit's step, so not rebuilt from the param groups there
+        self._held = frozenset(id(p) for g in inner.param_groups for p in g["params"])
 
     # The inner optimizer's own objects, so nothing can drift apart (load_state_dict replaces them).
     param_groups = property(lambda self: self._inner_attr("param_groups"),
@@ -129,10 +132,6 @@ class OptimizerInBackward(Optimizer):
         unit.restore_frozen()
         self._finite[unit.order] = ~nonfinite(grad)
         torch.autograd.graph.increment_version(master)  # (a fused step does not: every cache must see it)
-
-    @property
-    def _held(self) -> set[int]:
-        return {id(p) for g in self.inner.param_groups for p in g["params"]}
 
     def finite_flags(self) -> torch.Tensor:
         """Per unit, whether the gradients stepped since the last call held no NaN/inf; reset."""

@@ -9,10 +9,11 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .bnb4 import is_params4bit
 from .call_gate import watch
 from .collectives import Comm
 from .config import ShardConfig, low_precision_dtype
-from .partition import base_model_of, check_peft_method
+from .partition import base_model_of, check_peft_method, float_param_dtypes, hf_checkpointing_on
 from .patch.spec import resolve_spec
 from .runtime import Runtime
 from .sharded_model import ShardedModel
@@ -78,8 +79,7 @@ def shard(model: nn.Module, *, config: ShardConfig | None = None, process_group=
         raise ValueError("model is already sharded by yashard; call yashard.shard once per model")
     if not isinstance(model, nn.Module):
         raise TypeError(f"yashard.shard expects an nn.Module, got {type(model).__name__}")
-    low = low_precision_dtype(p.dtype for p in model.parameters()  # (4-bit weights' storage dtype: packed bytes)
-                              if p.is_floating_point() and type(p).__name__ != "Params4bit")
+    low = low_precision_dtype(float_param_dtypes(model))
     if config is None:
         # a bf16/fp16 model computes in its dtype, as FSDP2 keeps it (the masters are fp32 all the same)
         config = ShardConfig() if low is None else ShardConfig(param_dtype=low)
@@ -150,8 +150,7 @@ def _take_over_kbit_checkpointing(hf: nn.Module, spec, config: ShardConfig) -> S
 
     from .patch.spec import get_path
 
-    flags = [f for f in ("is_activation_checkpointing", "is_gradient_checkpointing") if hasattr(type(hf), f)]
-    if not (flags and getattr(hf, flags[0]) and any(type(p).__name__ == "Params4bit" for p in hf.parameters())):
+    if not (hf_checkpointing_on(hf) and any(is_params4bit(p) for p in hf.parameters())):
         return config
     (getattr(hf, "activation_checkpointing_disable", None) or hf.gradient_checkpointing_disable)()
     n = len(get_path(hf, spec.layers))

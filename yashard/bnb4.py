@@ -32,9 +32,14 @@ OTHER_QUANTIZED = {
 }
 
 
+def is_params4bit(p: torch.Tensor) -> bool:
+    """A bitsandbytes ``Params4bit``, quantised or not (read by its class name: bitsandbytes is not imported)."""
+    return type(p).__name__ == "Params4bit"
+
+
 def is_4bit(p: torch.Tensor) -> bool:
     """A bitsandbytes ``Params4bit`` that is quantised (it carries its ``quant_state``)."""
-    return type(p).__name__ == "Params4bit" and getattr(p, "quant_state", None) is not None
+    return is_params4bit(p) and getattr(p, "quant_state", None) is not None
 
 
 def _tensors(state) -> list[tuple[str, torch.Tensor]]:

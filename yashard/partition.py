@@ -40,7 +40,8 @@ def validate(model: nn.Module, spec: ModelSpec, config: ShardConfig) -> None:
         raise ValueError(
             f"the model is quantised with {other}; yashard shards bitsandbytes 4-bit bases only (QLoRA: "
             "BitsAndBytesConfig(load_in_4bit=True)). Load the base in 4-bit, or unquantised (bf16/fp32)")
-    if any(type(p).__name__ == "Params4bit" for p in model.parameters()):
+    four_bit = any(bnb4.is_params4bit(p) for p in model.parameters())
+    if four_bit:
         check_packed(model, partition(model, spec), config)
     n_layers = len(get_path(model, spec.layers))
     ckpt = config.checkpoint_layers
@@ -49,9 +50,8 @@ def validate(model: nn.Module, spec: ModelSpec, config: ShardConfig) -> None:
             f"ShardConfig.checkpoint_layers={ckpt} but the model has {n_layers} decoder layers; "
             f"use a value between 0 and {n_layers}"
         )
-    flags = [f for f in ("is_activation_checkpointing", "is_gradient_checkpointing") if hasattr(type(model), f)]
     # (a 4-bit base's: prepare_model_for_kbit_training's, which shard() takes over, api._take_over_kbit_checkpointing)
-    if flags and getattr(model, flags[0]) and not any(type(p).__name__ == "Params4bit" for p in model.parameters()):
+    if hf_checkpointing_on(model) and not four_bit:
         raise ValueError(
             "the model has HF activation checkpointing enabled (activation_checkpointing_enable() / "
             "gradient_checkpointing_enable()); it would re-run yashard's layer hooks during backward. "
@@ -86,6 +86,18 @@ def base_model_of(model: nn.Module) -> nn.Module:
     if base is model or not any(m is base for m in model.modules()):
         return model
     return base
+
+
+def float_param_dtypes(model: nn.Module):
+    """The dtypes of ``model``'s floating-point parameters, 4-bit weights aside (their storage dtype
+    holds packed bytes): what the default compute dtype is read from (``config.low_precision_dtype``)."""
+    return (p.dtype for p in model.parameters() if p.is_floating_point() and not bnb4.is_params4bit(p))
+
+
+def hf_checkpointing_on(model: nn.Module) -> bool:
+    """Whether HF's own activation (gradient) checkpointing is enabled on ``model``."""
+    flags = [f for f in ("is_activation_checkpointing", "is_gradient_checkpointing") if hasattr(type(model), f)]
+    return bool(flags) and bool(getattr(model, flags[0]))
 
 
 def adapter_weights(model: nn.Module) -> set[int]:
@@ -215,7 +227,7 @@ def other_quantization(model: nn.Module) -> str | None:
             if p is None:
                 continue
             kind = bnb4.OTHER_QUANTIZED.get(type(p).__name__)
-            if kind is None and type(p).__name__ == "Params4bit" and not bnb4.is_4bit(p):
+            if kind is None and bnb4.is_params4bit(p) and not bnb4.is_4bit(p):
                 kind = "a bitsandbytes 4-bit weight not quantised yet (no quant_state: move the model to its device first)"
             if kind is not None:
                 return f"{kind} ({type(p).__name__} {name}.{attr})"

@@ -152,6 +152,5 @@ def _config_for(model: nn.Module, config: ShardConfig | None) -> ShardConfig:
         if not isinstance(config, ShardConfig):
             raise TypeError(f"config must be a yashard.ShardConfig, got {type(config).__name__}")
         return config
-    low = low_precision_dtype(p.dtype for p in model.parameters()
-                              if p.is_floating_point() and type(p).__name__ != "Params4bit")  # (packed bytes)
+    low = low_precision_dtype(partition.float_param_dtypes(model))
     return ShardConfig() if low is None else ShardConfig(param_dtype=low)

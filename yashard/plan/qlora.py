@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from ..bnb4 import is_params4bit
+
 BLOCKSIZE = 64           # bitsandbytes' default 4-bit block (BitsAndBytesConfig has no field for it)
 NESTED_BLOCKSIZE = 256   # double quantisation: the block of the absmax's own quantisation
 NF4_CODE = 16            # the fp32 code table of NF4 (and FP4): one value per 4-bit code
@@ -102,7 +104,7 @@ def dequantized_bytes(model, param_bytes: int) -> int:
     (bitsandbytes 0.50 ``autograd/_functions.py:384``), one weight at a time."""
     out = 0
     for p in model.parameters():
-        state = getattr(p, "quant_state", None) if type(p).__name__ == "Params4bit" else None
+        state = getattr(p, "quant_state", None) if is_params4bit(p) else None
         if state is not None:
             s = state.dtype.itemsize
             out = max(out, torch.Size(state.shape).numel() * (s + (param_bytes if s != param_bytes else 0)))

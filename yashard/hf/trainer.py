@@ -38,7 +38,7 @@ import torch
 import transformers
 
 from ..api import shard
-from ..checkpoint import load_checkpoint, save_checkpoint
+from ..checkpoint import load_checkpoint, read_index, resolve_checkpoint, save_checkpoint
 from ..config import ShardConfig
 from ..hf_export import export_hf
 from ..sharded_model import ShardedModel
@@ -310,19 +310,21 @@ class ShardedTrainerMixin:
         return path
 
     def _load_sharded(self, checkpoint: str, model: ShardedModel, optimizer=None) -> None:
-        """Load ``checkpoint``'s sharded state; refuse one saved at another step than its trainer_state.json."""
-        extra = load_checkpoint(self._sharded_checkpoint(checkpoint), model, optimizer)
+        """Load ``checkpoint``'s sharded state; refuse one saved at another step than its
+        trainer_state.json, before anything is read into the model."""
+        path = self._sharded_checkpoint(checkpoint)
+        extra = read_index(resolve_checkpoint(path)).get("extra")
         saved = extra.get("global_step") if isinstance(extra, dict) else None
         state = os.path.join(checkpoint, transformers.trainer.TRAINER_STATE_NAME)
-        if saved is None or not os.path.isfile(state):  # (a checkpoint of an earlier yashard: no step to compare)
-            return
-        step = transformers.TrainerState.load_from_json(state).global_step
-        if saved != step:
+        # (a checkpoint of an earlier yashard has no step to compare)
+        step = transformers.TrainerState.load_from_json(state).global_step if os.path.isfile(state) else saved
+        if saved is not None and saved != step:
             raise ValueError(
                 f"{checkpoint}: its sharded state ({CHECKPOINT_DIR}/) was saved at step {saved}, its "
                 f"{transformers.trainer.TRAINER_STATE_NAME} at step {step}, so the weights and optimizer state would "
                 f"not be the ones that step left. Resume from a checkpoint-N folder as the trainer wrote it, or copy "
                 f"the {CHECKPOINT_DIR}/ folder of checkpoint-{step} into it")
+        load_checkpoint(path, model, optimizer)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         model = self.model if model is None else model

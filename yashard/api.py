@@ -159,7 +159,7 @@ def _take_over_kbit_checkpointing(hf: nn.Module, spec, config: ShardConfig) -> S
     return dataclasses.replace(config, checkpoint_layers=n)
 
 
-def _folder_dtype(hf_config, path) -> torch.dtype:
+def folder_dtype(hf_config, path) -> torch.dtype:
     """The dtype a folder's config.json names (``dtype``, or ``torch_dtype`` before transformers 5)
     when it is one yashard computes in (fp32, bf16, fp16); fp32 otherwise, with a warning when it
     names another (transformers' ``dtype="auto"`` would compute in a float64 folder's float64)."""
@@ -316,7 +316,7 @@ def from_pretrained(path: str | os.PathLike, *, config: ShardConfig | None = Non
         model_kwargs["dtype"] = (config.param_dtype if isinstance(config, ShardConfig) else
                                  "auto" if int(transformers.__version__.split(".")[0]) >= 5 else torch.float32)
     if model_kwargs["dtype"] == "auto":
-        model_kwargs["dtype"] = _folder_dtype(hf_config, os.fspath(path))
+        model_kwargs["dtype"] = folder_dtype(hf_config, os.fspath(path))
     with torch.device("meta"):  # dtype=torch.bfloat16: computes in bf16 (ShardConfig.param_dtype), fp32 masters
         model = AutoModelForCausalLM.from_config(hf_config, **{"dtype": torch.float32, **model_kwargs})
     if os.path.isfile(os.path.join(os.fspath(path), "generation_config.json")):

@@ -15,7 +15,7 @@ import os
 import torch
 import transformers
 
-from ..api import from_pretrained, shard
+from ..api import folder_dtype, from_pretrained, shard
 from ..config import ShardConfig
 
 _DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -48,12 +48,8 @@ def _init_kwargs(args) -> tuple[dict, object]:
 
 
 def _folder_dtype(path) -> torch.dtype:
-    """The dtype the folder's config.json names (``"auto"``), fp32 when it names none."""
-    config = transformers.AutoConfig.from_pretrained(os.fspath(path), local_files_only=True)
-    named = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    if isinstance(named, str):
-        named = _DTYPE_NAMES.get(named.removeprefix("torch."))
-    return named if named in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+    """The dtype the folder's config.json names (``"auto"``), as ``yashard.from_pretrained`` reads it."""
+    return folder_dtype(transformers.AutoConfig.from_pretrained(os.fspath(path), local_files_only=True), path)
 
 
 def computing_in(config: ShardConfig, dtype: torch.dtype) -> ShardConfig:
